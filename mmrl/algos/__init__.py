@@ -1,0 +1,66 @@
+"""mmrl.algos: the algorithm core (advantages, policy losses, KL, aggregation, shaping).
+
+Pure, vectorised tensor functions with name registries; see docs/algorithms.md.
+"""
+
+from .registry import (
+    AGG_MODES,
+    AlgorithmError,
+    AdvantageSpec,
+    LossSpec,
+    get_advantage_spec,
+    get_loss_spec,
+    list_algorithms,
+    register_advantage,
+    register_loss,
+)
+from .advantages import Groups, compute_advantages, gae, make_groups, masked_whiten
+from .losses import agg_denominator, aggregate, policy_loss
+from .kl import entropy_from_logits, kl_penalty
+from . import shaping
+from .shaping import (
+    gfpo_advantages,
+    gfpo_keep,
+    mask_truncated,
+    nonconstant_groups,
+    overlong_penalty,
+    redit,
+    success_rate_filter,
+)
+from . import offline
+from .offline import dpo_loss, kto_loss, opd_advantages, rpo_loss
+
+__all__ = [
+    "AGG_MODES",
+    "AlgorithmError",
+    "AdvantageSpec",
+    "LossSpec",
+    "Groups",
+    "agg_denominator",
+    "aggregate",
+    "compute_advantages",
+    "dpo_loss",
+    "entropy_from_logits",
+    "gae",
+    "get_advantage_spec",
+    "get_loss_spec",
+    "gfpo_advantages",
+    "gfpo_keep",
+    "kl_penalty",
+    "kto_loss",
+    "list_algorithms",
+    "make_groups",
+    "mask_truncated",
+    "masked_whiten",
+    "nonconstant_groups",
+    "offline",
+    "opd_advantages",
+    "overlong_penalty",
+    "policy_loss",
+    "redit",
+    "register_advantage",
+    "register_loss",
+    "rpo_loss",
+    "shaping",
+    "success_rate_filter",
+]

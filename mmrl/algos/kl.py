@@ -1,0 +1,66 @@
+"""KL-to-reference estimators and the entropy helper (ALGORITHMS.md, "Terms added to the loss").
+
+With d = ref_logp - logp (samples from the current policy):
+k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1 (unbiased and always >= 0), abs = |d|.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .registry import AlgorithmError, as_bool_mask, get_kl_spec, register_kl
+
+__all__ = ["kl_penalty", "entropy_from_logits"]
+
+
+@register_kl("k1", citation="Schulman 2020, http://joschu.net/blog/kl-approx.html")
+def _k1(d: Tensor) -> Tensor:
+    """k1 = logp - ref_logp (unbiased, high variance, can be negative)."""
+    return -d
+
+
+@register_kl("k2", citation="Schulman 2020, http://joschu.net/blog/kl-approx.html")
+def _k2(d: Tensor) -> Tensor:
+    """k2 = (ref_logp - logp)^2 / 2 (biased, low variance)."""
+    return 0.5 * d.square()
+
+
+@register_kl("k3", citation="2402.03300 (Schulman 2020 estimator)")
+def _k3(d: Tensor) -> Tensor:
+    """k3 = exp(d) - d - 1, d = ref_logp - logp (unbiased, >= 0; GRPO's choice)."""
+    return torch.expm1(d) - d  # expm1 keeps precision for small d
+
+
+@register_kl("abs", citation="Schulman 2020, http://joschu.net/blog/kl-approx.html")
+def _abs(d: Tensor) -> Tensor:
+    """abs = |ref_logp - logp|."""
+    return d.abs()
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str, mask: Tensor | None = None) -> Tensor:
+    """Per-token KL estimate [N,T] of the current policy to the reference (`kind` in k1/k2/k3/abs).
+
+    Pass `mask` when padding may hold -inf: masked-out positions then get 0 (value and gradient)
+    instead of NaN. Aggregate the result with `aggregate(...)` like the policy term.
+    """
+    spec = get_kl_spec(kind)
+    if ref_logp.shape != logp.shape:
+        raise AlgorithmError(f"ref_logp has shape {tuple(ref_logp.shape)}, expected {tuple(logp.shape)} like logp")
+    d = ref_logp.detach() - logp
+    if mask is not None:
+        m = as_bool_mask(mask, logp.shape)
+        zero = torch.zeros((), dtype=d.dtype, device=d.device)
+        d = torch.where(m, ref_logp.detach(), zero) - torch.where(m, logp, zero)
+    return spec.fn(d)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy over the last dim, H = -sum p * log p with log p = log_softmax (max-shifted
+    logsumexp, so no cancellation for large logits); -inf logits allowed."""
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()  # exactly 0 where the logit is -inf
+    # Zero log p there *before* the product so neither the value nor the gradient sees 0 * -inf.
+    logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
+    return -(p * logp).sum(dim=-1)

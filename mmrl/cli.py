@@ -1,0 +1,103 @@
+"""`mmrl train CONFIG [key=value ...]`, `mmrl eval CONFIG --checkpoint DIR`, `mmrl algos`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _build(cfg):
+    import torch
+
+    from mmrl.envs import make_task
+    from mmrl.policies import build_policy
+    from mmrl.trainer import resolve_device
+
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    task = make_task(cfg.task.name, seed=cfg.train.seed, **cfg.task.params)
+    policy = build_policy(cfg, task, resolve_device(cfg.train.device))
+    return task, policy
+
+
+def cmd_train(args) -> int:
+    from mmrl.config import load_config
+    from mmrl.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    task, policy = _build(cfg)
+    trainer = Trainer(cfg, policy, task)
+    results = trainer.train(resume=not args.no_resume)
+    from mmrl.evals.report import write_report
+
+    report = write_report(cfg.train.output_dir)
+    before, after = results["eval_before"], results["eval_after"]
+    print(f"held-out reward: {before.get('eval/total', float('nan')):.3f} (step {before['step']}) -> "
+          f"{after.get('eval/total', float('nan')):.3f} (step {after['step']})")
+    print(f"results: {Path(cfg.train.output_dir) / 'results.json'}  report: {report}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from mmrl.checkpoint import load_checkpoint
+    from mmrl.config import load_config
+    from mmrl.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    task, policy = _build(cfg)
+    load_checkpoint(args.checkpoint, policy.model)
+    trainer = Trainer(cfg, policy, task)
+    result = trainer.evaluate()
+    out = Path(args.output or Path(cfg.train.output_dir) / "eval.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"checkpoint": str(args.checkpoint), **result}, indent=2))
+    for k, v in result.items():
+        print(f"{k:>24}: {v:.4f}" if isinstance(v, float) else f"{k:>24}: {v}")
+    print(f"written: {out}")
+    return 0
+
+
+def cmd_algos(args) -> int:
+    from mmrl.algos import list_algorithms
+
+    for kind, rows in list_algorithms().items():
+        print(f"{kind}:")
+        for name, citation, *rest in rows:
+            desc = rest[0] if rest else ""
+            print(f"  {name:<16} {citation:<28} {desc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmrl", description="RL post-training for multimodal models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train from a YAML config")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.loss=gspo train.steps=20")
+    p.add_argument("--no-resume", action="store_true", help="start fresh even if the output dir has a checkpoint")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("eval", help="evaluate a checkpoint on the task's held-out set")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--checkpoint", required=True, help="a step_NNNNNN directory or a run directory")
+    p.add_argument("--output", help="where to write the JSON result")
+    p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("algos", help="list every algorithm name with its citation")
+    p.set_defaults(fn=cmd_algos)
+    args = parser.parse_args(argv)
+
+    from mmrl.checkpoint import CheckpointError
+    from mmrl.config import ConfigError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
+        print(f"mmrl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

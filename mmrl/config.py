@@ -1,0 +1,313 @@
+"""Typed run configuration, loaded from YAML and validated with errors that name the bad value.
+
+`load_config(path, overrides)` returns a `RunConfig`. Every key is checked: an unknown key, a
+wrong type or a value outside its choices raises `ConfigError` with one line that names the key
+and what is accepted. Overrides use dotted keys: `algo.loss=gspo train.steps=20`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A malformed config: the message names the key, the bad value and the valid choices."""
+
+
+@dataclass
+class ModelConfig:
+    # `tiny`: a Qwen2-architecture model built from `tiny` sizes with a tokenizer trained on the
+    # task's corpus (tests, CPU demo). `pretrained`: `from_pretrained(path)` of a local directory.
+    source: Literal["tiny", "pretrained"] = "tiny"
+    path: str | None = None
+    tiny: dict[str, Any] = field(default_factory=dict)
+    tokenizer_vocab_size: int = 320
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    use_chat_template: bool = False
+    fast_decode: bool = True  # lean static-cache decoder for Llama/Qwen-family models
+    lora_rank: int = 0  # > 0 turns on LoRA (peft)
+    lora_alpha: int = 16
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardConfig:
+    name: str = "arithmetic_exact"
+    weight: float = 1.0
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SamplingConfig:
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass
+class AlgoConfig:
+    loss: str = "grpo"
+    # None pairs the estimator with the loss: dr_grpo -> dr_grpo, everything else -> grpo.
+    advantage: str | None = None
+    advantage_params: dict[str, Any] = field(default_factory=dict)
+    loss_params: dict[str, Any] = field(default_factory=dict)  # eps_low, eps_high, agg, tau_pos, ...
+    beta: float = 0.0  # KL to the reference policy; 0 loads no reference model
+    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
+    entropy_coef: float = 0.0
+    # Shaping and sampling (ALGORITHMS.md, "Reward shaping and sampling").
+    dynamic_sampling: bool = False
+    max_sampling_tries: int = 4
+    overlong_cache_len: int = 0  # > 0 turns on DAPO overlong shaping with L_max = max_new_tokens
+    mask_truncated: bool = False
+    redit_scale: float = 0.0
+    redit_kind: Literal["gaussian", "uniform"] = "gaussian"
+    success_filter: list[float] | None = None  # [low, high] on the group mean of the first reward
+
+    def resolved_advantage(self) -> str:
+        if self.advantage is not None:
+            return self.advantage
+        return "dr_grpo" if self.loss == "dr_grpo" else "grpo"
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 0  # warm-start steps before RL; 0 skips it
+    batch_size: int = 32
+    lr: float = 3e-3
+    examples: int = 2000
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    prompts_per_step: int = 8
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per epoch
+    micro_batch_size: int = 0  # rows per forward/backward; 0 = whole mini-batch
+    recompute_old_logp: bool = False  # recompute old_logp with a forward instead of the sampler's
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    bf16: bool = True  # autocast on GPU only
+    threads: int = 0  # torch.set_num_threads; 0 leaves the default
+    output_dir: str = "runs/default"
+    save_every: int = 0  # 0: only at the end
+    eval_every: int = 10
+    eval_size: int = 64
+    log_every: int = 1
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "mmrl"
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- building from plain data
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str):
+    """Check `value` against the annotation `tp`, converting ints to floats where a float is due."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: invalid value {value!r}; valid: {', '.join(map(str, args))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {_type_name(tp)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls, data: Any, prefix: str = ""):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown key '{where}{unknown[0]}'; valid keys here: {', '.join(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: '{k}' is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`["algo.loss=gspo", "train.steps=3"]` -> nested dict; values are parsed as YAML scalars."""
+    data: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. algo.loss=gspo)")
+        key, raw = item.split("=", 1)
+        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw else "")
+    return data
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    cfg = _build(RunConfig, data)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    data = _merge(data, parse_overrides(overrides or []))
+    return config_from_dict(data)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks and registry names (imports are local: registries fill on import)."""
+    from mmrl.algos import get_loss_spec, list_algorithms
+    from mmrl.envs import TASKS
+    from mmrl.rewards import REWARDS
+
+    try:
+        get_loss_spec(cfg.algo.loss)
+    except ValueError as exc:
+        raise ConfigError(f"algo.loss: {exc}") from None
+    estimators = [name for name, *_ in list_algorithms()["advantage"]]
+    adv = cfg.algo.resolved_advantage()
+    _check(adv in estimators, f"algo.advantage: unknown estimator {adv!r}; valid: {', '.join(sorted(estimators))}")
+    _check(cfg.task.name in TASKS, f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(sorted(TASKS))}")
+    _check(len(cfg.rewards) > 0, "rewards: at least one reward is needed")
+    for i, r in enumerate(cfg.rewards):
+        _check(r.name in REWARDS, f"rewards[{i}].name: unknown reward {r.name!r}; valid: {', '.join(sorted(REWARDS))}")
+    s, t, a = cfg.sampling, cfg.train, cfg.algo
+    _check(s.group_size >= 1, f"sampling.group_size must be >= 1, got {s.group_size}")
+    _check(s.max_new_tokens >= 1, f"sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}")
+    _check(s.temperature > 0, f"sampling.temperature must be > 0, got {s.temperature}")
+    _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
+    _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
+    _check(t.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {t.prompts_per_step}")
+    _check(t.ppo_epochs >= 1, f"train.ppo_epochs must be >= 1, got {t.ppo_epochs}")
+    _check(t.mini_batches >= 1, f"train.mini_batches must be >= 1, got {t.mini_batches}")
+    _check(t.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0, got {t.micro_batch_size}")
+    _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _check(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
+           f"train.device: invalid value {t.device!r}; valid: auto, cpu, cuda, cuda:N")
+    _check(len(t.betas) == 2, f"train.betas must be two numbers, got {t.betas}")
+    _check(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
+    _check(a.overlong_cache_len < s.max_new_tokens or a.overlong_cache_len == 0,
+           f"algo.overlong_cache_len ({a.overlong_cache_len}) must be below sampling.max_new_tokens ({s.max_new_tokens})")
+    if a.success_filter is not None:
+        lo_hi = a.success_filter
+        _check(len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1] <= 1,
+               f"algo.success_filter must be [low, high] with 0 <= low <= high <= 1, got {lo_hi}")
+    _check(cfg.model.source != "pretrained" or bool(cfg.model.path),
+           "model.path: a local directory is required when model.source is 'pretrained'")
+    if cfg.model.source == "pretrained" and not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"model.path: checkpoint directory not found: {cfg.model.path}")

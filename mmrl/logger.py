@@ -1,0 +1,68 @@
+"""Metrics to `metrics.jsonl` (always), TensorBoard and Weights & Biases (optional, off by default)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from mmrl.checkpoint import atomic_write_text
+
+log = logging.getLogger("mmrl")
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | Path, tensorboard: bool = False, wandb: bool = False,
+                 wandb_project: str = "mmrl", config: dict[str, Any] | None = None):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / "metrics.jsonl"
+        self._tb = self._wandb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        if wandb:
+            import wandb as wb
+
+            self._wandb = wb.init(project=wandb_project, config=config or {}, dir=str(self.out_dir))
+
+    def log(self, metrics: dict[str, Any], step: int, prefix_step: str = "step") -> None:
+        row = {prefix_step: step, **{k: v for k, v in metrics.items() if k != "step"}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        numeric = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and k != "step" and math.isfinite(float(v))}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def warn(self, message: str) -> None:
+        log.warning(message)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"warning": message}) + "\n")
+
+    def reset(self) -> None:
+        """A fresh run starts a fresh log."""
+        self.path.unlink(missing_ok=True)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop rows logged after the checkpoint so the file reads as one clean run."""
+        if not self.path.is_file():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("step", -1) <= step:
+                kept.append(line)
+        atomic_write_text(self.path, "".join(x + "\n" for x in kept))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

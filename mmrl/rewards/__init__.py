@@ -1,0 +1,33 @@
+"""Reward adapters: `fn(contexts, outputs, **params) -> float Tensor[N]`.
+
+`outputs` is what the policy adapter decodes from a rollout (text for LMs, frames for the visual
+planner, trajectories for VLAs). Several rewards are weighted in the config; each is logged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+RewardFn = Callable[..., torch.Tensor]
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def wrap(fn: RewardFn) -> RewardFn:
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARDS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_reward(name: str) -> RewardFn:
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; valid: {', '.join(sorted(REWARDS))}")
+    return REWARDS[name]
+
+
+from mmrl.rewards import text  # noqa: E402,F401  (registers the text rewards)

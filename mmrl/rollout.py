@@ -1,0 +1,217 @@
+"""The data contract between policies, rewards and the trainer, and batched LM sampling.
+
+A `Rollout` holds N samples of `[N, T]` decision units (tokens, image codes or denoising steps)
+with the sampler's log-probs and a mask. The trainer only ever sees this shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Rollout:
+    group_ids: torch.Tensor  # int [N]
+    units: torch.Tensor  # [N, T, ...] tokens, codes or SDE states
+    logp_old: torch.Tensor  # float [N, T], the sampler's log-probs
+    mask: torch.Tensor  # bool [N, T], units that are trained
+    truncated: torch.Tensor  # bool [N], hit the unit budget without finishing
+    contexts: list[Any] = field(default_factory=list)  # per-sample context (prompt, answer, env state)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # what `logprobs` needs; dim 0 = N
+    rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # named components, [N] each
+
+    def __len__(self) -> int:
+        return self.group_ids.shape[0]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(-1)
+
+    def select(self, index: torch.Tensor) -> Rollout:
+        """Rows `index` (an int index or bool mask over N), every per-sample field alike."""
+        if index.dtype == torch.bool:
+            index = index.nonzero().squeeze(-1)
+        idx_list = index.tolist()
+        take = lambda t: t[index.to(t.device)]  # noqa: E731
+        return Rollout(
+            group_ids=take(self.group_ids),
+            units=take(self.units),
+            logp_old=take(self.logp_old),
+            mask=take(self.mask),
+            truncated=take(self.truncated),
+            contexts=[self.contexts[i] for i in idx_list] if self.contexts else [],
+            extras={k: take(v) for k, v in self.extras.items()},
+            rewards={k: take(v) for k, v in self.rewards.items()},
+        )
+
+    @staticmethod
+    def concat(parts: list[Rollout]) -> Rollout:
+        """Join rollouts sampled separately (e.g. DAPO's re-sampling); pads T to the longest."""
+        if len(parts) == 1:
+            return parts[0]
+        T = max(p.units.shape[1] for p in parts)
+
+        def pad(t: torch.Tensor, value) -> torch.Tensor:
+            if t.dim() < 2 or t.shape[1] == T:
+                return t
+            shape = (t.shape[0], T - t.shape[1], *t.shape[2:])
+            return torch.cat([t, t.new_full(shape, value)], 1)
+
+        out = {}
+        for f in fields(Rollout):
+            vals = [getattr(p, f.name) for p in parts]
+            if f.name == "contexts":
+                out[f.name] = [c for v in vals for c in v]
+            elif f.name in ("extras", "rewards"):
+                pad_fn = _left_pad_cat if f.name == "extras" else torch.cat
+                out[f.name] = {k: pad_fn([v[k] for v in vals]) for k in vals[0]}
+            elif f.name == "mask":
+                out[f.name] = torch.cat([pad(v, False) for v in vals])
+            elif f.name == "units":
+                out[f.name] = torch.cat([pad(v, 0) for v in vals])
+            elif f.name == "logp_old":
+                out[f.name] = torch.cat([pad(v, 0.0) for v in vals])
+            else:
+                out[f.name] = torch.cat(vals)
+        return Rollout(**out)
+
+    def to(self, device) -> Rollout:
+        mv = lambda t: t.to(device)  # noqa: E731
+        return replace(
+            self,
+            group_ids=mv(self.group_ids),
+            units=mv(self.units),
+            logp_old=mv(self.logp_old),
+            mask=mv(self.mask),
+            truncated=mv(self.truncated),
+            extras={k: mv(v) for k, v in self.extras.items()},
+            rewards={k: mv(v) for k, v in self.rewards.items()},
+        )
+
+
+def _left_pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0, left-padding dim 1 with zeros (prompts are left-padded; 0 = masked)."""
+    if tensors[0].dim() < 2:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    padded = [torch.cat([t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:])), t], 1) for t in tensors]
+    return torch.cat(padded)
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [B, T] generated ids, pad after the end
+    logp: torch.Tensor  # [B, T] log-probs of the tokens under softmax(logits / temperature)
+    mask: torch.Tensor  # bool [B, T], through the first EOS
+    truncated: torch.Tensor  # bool [B], no EOS within the budget
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then nucleus filtering; removed entries become -inf (never multiplied by a mask)."""
+    if top_k and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = torch.where(logits < kth, torch.full_like(logits, float("-inf")), logits)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = torch.where(drop, torch.full_like(logits, float("-inf")), logits)
+    return logits
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that ignore left padding: 0 at each row's first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+class HFStepper:
+    """Next-token logits from any Hugging Face causal LM, with its own KV cache."""
+
+    def __init__(self, model, model_kwargs: dict[str, Any] | None = None):
+        self.model = model
+        self.model_kwargs = model_kwargs or {}
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.attn = attention_mask
+        pos = positions_from_mask(attention_mask)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **self.model_kwargs)
+        self.past, self.next_pos = out.past_key_values, pos[:, -1:] + 1
+        return out.logits[:, -1, :].float()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Tokens fed after a row's EOS come after all its real tokens, so causal attention keeps
+        # them from touching anything that is trained; they can stay attendable.
+        self.attn = torch.cat([self.attn, self.attn.new_ones(self.attn.shape[0], 1)], dim=1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.next_pos,
+                         past_key_values=self.past, use_cache=True)
+        self.past, self.next_pos = out.past_key_values, self.next_pos + 1
+        return out.logits[:, -1, :].float()
+
+
+@torch.no_grad()
+def sample_tokens(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    suppress_token_ids: list[int] | None = None,
+    generator: torch.Generator | None = None,
+    stepper=None,
+) -> SampleOutput:
+    """Batched autoregressive sampling with a KV cache, from left-padded prompts.
+
+    `stepper` supplies next-token logits (`prefill`, then `step` per token); by default the HF
+    model's own forward. The returned log-probs are those of softmax(logits / temperature) over
+    the vocabulary with `suppress_token_ids` removed: exactly the distribution the trainer
+    recomputes with teacher forcing. Top-k / top-p only narrow which token is drawn; they do not
+    enter the log-prob, so old_logp and the trainer's logp agree at equal weights.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    greedy = temperature == 0
+    stepper = stepper or HFStepper(model)
+    B, device = input_ids.shape[0], input_ids.device
+    eos = torch.tensor(eos_token_ids, device=device)
+    suppress = torch.tensor(suppress_token_ids or [], dtype=torch.long, device=device)
+    tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    mask = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    pad = torch.full((B,), pad_token_id, dtype=torch.long, device=device)
+    logits = stepper.prefill(input_ids, attention_mask)
+    steps = 0
+    for t in range(max_new_tokens):
+        scaled = logits if greedy else logits / temperature
+        if suppress.numel():
+            scaled = scaled.index_fill(-1, suppress, float("-inf"))
+        logp_all = scaled.log_softmax(-1)
+        if greedy:
+            drawn = scaled.argmax(-1)
+        else:
+            probs = _filter_logits(scaled, top_k, top_p).softmax(-1) if (top_k or top_p < 1.0) else logp_all.exp()
+            # Exponential race (Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) draws i with
+            # probability p_i, and costs less per token than torch.multinomial.
+            race = torch.empty_like(probs).exponential_(generator=generator)
+            drawn = (probs / race).argmax(-1)
+        tok = torch.where(finished, pad, drawn)
+        tokens[:, t] = tok
+        logps[:, t] = torch.where(finished, 0.0, logp_all.gather(-1, tok[:, None]).squeeze(-1))
+        mask[:, t] = ~finished
+        finished = finished | torch.isin(tok, eos)
+        steps = t + 1
+        if t == max_new_tokens - 1 or bool(finished.all()):
+            break
+        logits = stepper.step(tok)
+    return SampleOutput(tokens=tokens[:, :steps], logp=logps[:, :steps], mask=mask[:, :steps], truncated=~finished)

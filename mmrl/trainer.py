@@ -1,0 +1,348 @@
+"""The domain-agnostic RL trainer: contexts -> G samples each -> rewards -> advantages -> update.
+
+It knows a policy only through `sample`, `logprobs`, `decode`, `sft_loss`, `reference_logprobs`
+and `model`, and a task only through `next_batch`, `eval_batch`, `sft_batch` and its
+`state_dict`. Every domain runs through this one loop; the algorithm is a registry name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl import algos
+from mmrl.checkpoint import atomic_write_text, find_latest, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from mmrl.config import RunConfig
+from mmrl.logger import MetricsLogger
+from mmrl.rewards import get_reward
+from mmrl.rollout import Rollout
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def warmup_cosine(warmup: int, total: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, policy, task, log: MetricsLogger | None = None):
+        self.cfg = cfg
+        self.policy = policy
+        self.task = task
+        self.device = policy.device
+        self.out_dir = Path(cfg.train.output_dir)
+        self.rewards = [(r.name, r.weight, get_reward(r.name), r.params) for r in cfg.rewards]
+        self.loss_spec = algos.get_loss_spec(cfg.algo.loss)
+        self.loss_params = dict(cfg.algo.loss_params)
+        self.agg = self.loss_params.get("agg") or self.loss_spec.default_agg
+        self.max_len = cfg.sampling.max_new_tokens
+        self.loss_params.setdefault("max_response_len", self.max_len)
+        self.advantage = cfg.algo.resolved_advantage()
+        self.params = [p for p in policy.model.parameters() if p.requires_grad]
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        updates_per_step = t.ppo_epochs * t.mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(t.warmup_steps * updates_per_step, t.steps * updates_per_step, t.min_lr_ratio))
+        self.sample_gen = torch.Generator(device=self.device).manual_seed(t.seed)
+        self.shuffle_gen = torch.Generator().manual_seed(t.seed + 1)
+        self.step = 0
+        self.group_offset = 0
+        self.sft_done = cfg.sft.steps == 0
+        self.eval_history: list[dict[str, Any]] = []
+        self.log = log or MetricsLogger(self.out_dir, tensorboard=t.tensorboard, wandb=t.wandb,
+                                        wandb_project=t.wandb_project, config=cfg.to_dict())
+        if cfg.algo.beta > 0:
+            self.policy.enable_reference()
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=t.bf16 and self.device.type == "cuda")
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "group_offset": self.group_offset,
+            "sft_done": self.sft_done,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state({"sample": self.sample_gen, "shuffle": self.shuffle_gen}),
+            "task": self.task.state_dict(),
+            "eval_history": self.eval_history,
+        }
+
+    def save(self) -> Path:
+        return save_checkpoint(self.out_dir, self.step, self.policy.model, self.state_dict())
+
+    def resume(self, path: str | Path | None = None) -> bool:
+        path = path or find_latest(self.out_dir)
+        if path is None:
+            return False
+        state = load_checkpoint(path, self.policy.model)
+        self.step, self.group_offset, self.sft_done = state["step"], state["group_offset"], state["sft_done"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"], {"sample": self.sample_gen, "shuffle": self.shuffle_gen})
+        self.task.load_state_dict(state["task"])
+        self.eval_history = state["eval_history"]
+        self.log.truncate_after(self.step)
+        return True
+
+    # ------------------------------------------------------------------ SFT warm start
+
+    def sft(self) -> None:
+        s = self.cfg.sft
+        if self.sft_done or s.steps == 0:
+            return
+        rng = np.random.default_rng(self.cfg.train.seed + 2)
+        opt = torch.optim.AdamW(self.params, lr=s.lr)
+        self.policy.model.train()
+        bar = _progress(range(s.steps), "sft", self.cfg.train.progress)
+        for i in bar:
+            with self.autocast:
+                loss = self.policy.sft_loss(self.task.sft_batch(s.batch_size, rng))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+            opt.step()
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+            self.log.log({"sft/loss": loss.item()}, step=i, prefix_step="sft_step")
+        self.sft_done = True
+
+    # ------------------------------------------------------------------ rollouts and rewards
+
+    def score(self, rollout: Rollout) -> torch.Tensor:
+        outputs = self.policy.decode(rollout)
+        total = torch.zeros(len(rollout), device=self.device)
+        for name, weight, fn, params in self.rewards:
+            r = fn(rollout.contexts, outputs, **params).to(self.device, torch.float32)
+            rollout.rewards[name] = r
+            total = total + weight * r
+        rollout.rewards["total"] = total
+        return total
+
+    def _keep_groups(self, rollout: Rollout) -> torch.Tensor:
+        a = self.cfg.algo
+        keep = torch.ones(len(rollout), dtype=torch.bool, device=self.device)
+        if a.dynamic_sampling:
+            keep &= algos.nonconstant_groups(rollout.rewards["total"], rollout.group_ids)
+        if a.success_filter is not None:
+            first = rollout.rewards[self.rewards[0][0]]
+            keep &= algos.success_rate_filter(first, rollout.group_ids, *a.success_filter)
+        return keep
+
+    def collect(self) -> tuple[Rollout, dict[str, float]]:
+        """Sample one batch of groups; with dynamic sampling / success filtering, re-sample until
+        enough groups survive or the try cap is hit (then say so in the metrics)."""
+        cfg, P, G = self.cfg, self.cfg.train.prompts_per_step, self.cfg.sampling.group_size
+        filtering = cfg.algo.dynamic_sampling or cfg.algo.success_filter is not None
+        parts, kept_groups, tries, stats = [], 0, 0, defaultdict(float)
+        while True:
+            t0 = time.perf_counter()
+            contexts = self.task.next_batch(P)
+            with self.autocast:
+                rollout = self.policy.sample(contexts, G, generator=self.sample_gen, group_offset=self.group_offset)
+            self.group_offset += P
+            stats["time/sample"] += time.perf_counter() - t0
+            stats["gen_tokens"] += float(rollout.mask.sum())
+            t0 = time.perf_counter()
+            self.score(rollout)
+            stats["time/reward"] += time.perf_counter() - t0
+            if tries == 0:  # the raw batch's rewards are what the policy currently earns
+                for k, v in rollout.rewards.items():
+                    stats[f"reward/{k}"] = v.mean().item()
+                stats["reward/std"] = rollout.rewards["total"].std().item() if len(rollout) > 1 else 0.0
+            tries += 1
+            if not filtering:
+                parts.append(rollout)
+                break
+            keep = self._keep_groups(rollout)
+            parts.append(rollout.select(keep))
+            kept_groups += int(keep.sum()) // G
+            if kept_groups >= P or tries >= cfg.algo.max_sampling_tries:
+                break
+        batch = Rollout.concat(parts)
+        if filtering:
+            stats["sampling/tries"] = tries
+            stats["sampling/kept_groups"] = min(kept_groups, P)
+            if kept_groups < P:
+                stats["sampling/short_groups"] = P - kept_groups
+                self.log.warn(f"step {self.step}: only {kept_groups} of {P} groups kept after {tries} tries")
+            if kept_groups > P:  # trim to exactly P groups (the first ones, in sampling order)
+                batch = batch.select(torch.arange(P * G, device=self.device))
+        return batch, dict(stats)
+
+    # ------------------------------------------------------------------ update
+
+    def advantages(self, rollout: Rollout) -> torch.Tensor:
+        a = self.cfg.algo
+        rewards = rollout.rewards["total"]
+        if a.overlong_cache_len > 0:
+            rewards = rewards + algos.overlong_penalty(rollout.lengths, self.max_len, a.overlong_cache_len)
+        if a.redit_scale > 0:
+            rewards = algos.redit(rewards, a.redit_scale, kind=a.redit_kind, generator=self.sample_gen)
+        params = dict(a.advantage_params)
+        if self.advantage == "reinforce_pp":
+            params["mask"] = rollout.mask
+        return algos.compute_advantages(self.advantage, rewards, rollout.group_ids, **params)
+
+    def _micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        size = self.cfg.train.micro_batch_size or len(idx)
+        return list(idx.split(size))
+
+    def update(self, rollout: Rollout) -> dict[str, float]:
+        t, a = self.cfg.train, self.cfg.algo
+        adv = self.advantages(rollout)
+        mask = algos.mask_truncated(rollout.mask, rollout.truncated) if a.mask_truncated else rollout.mask
+        old_logp = rollout.logp_old
+        if t.recompute_old_logp:
+            with torch.no_grad(), self.autocast:
+                old_logp = self.policy.logprobs(rollout)[0]
+        ref_logp = None
+        if a.beta > 0:
+            with self.autocast:
+                ref_logp = self.policy.reference_logprobs(rollout)
+        sums: dict[str, float] = defaultdict(float)
+        n_updates = 0
+        N = len(rollout)
+        self.policy.model.train()
+        for _ in range(t.ppo_epochs):
+            order = torch.randperm(N, generator=self.shuffle_gen) if t.mini_batches > 1 else torch.arange(N)
+            for mb in order.to(self.device).tensor_split(t.mini_batches):
+                if len(mb) == 0:
+                    continue
+                # The normaliser of the whole optimizer step, so micro-batching never changes the gradient.
+                denom = algos.agg_denominator(mask[mb], self.agg, self.max_len)
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in self._micro_batches(mb):
+                    part = rollout.select(micro)
+                    with self.autocast:
+                        logp, entropy = self.policy.logprobs(part, with_entropy=True)
+                    m = mask[micro]
+                    loss, metrics = algos.policy_loss(a.loss, logp, old_logp[micro], adv[micro], m,
+                                                      denominator=denom, agg=self.agg,
+                                                      **{k: v for k, v in self.loss_params.items() if k != "agg"})
+                    if ref_logp is not None:
+                        kl = algos.kl_penalty(logp, ref_logp[micro], a.kl_kind)
+                        kl_term = algos.aggregate(kl, m, self.agg, self.max_len, denominator=denom)
+                        loss = loss + a.beta * kl_term
+                        sums["kl_ref"] += kl_term.item()
+                    ent_term = algos.aggregate(entropy if a.entropy_coef > 0 else entropy.detach(), m, self.agg,
+                                               self.max_len, denominator=denom)
+                    if a.entropy_coef > 0:
+                        loss = loss - a.entropy_coef * ent_term
+                    loss.backward()
+                    sums["loss"] += loss.item()
+                    sums["entropy"] += ent_term.item()
+                    for k, v in metrics.items():
+                        sums[k] += float(v) * len(micro) / (N * t.ppo_epochs)  # row-weighted mean
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+                self.optimizer.step()
+                self.scheduler.step()
+                sums["grad_norm"] += grad_norm.item()
+                n_updates += 1
+        out = {f"train/{k}": v / max(1, n_updates) if k in ("loss", "entropy", "kl_ref", "grad_norm") else v
+               for k, v in sums.items()}
+        out.update({
+            "adv/mean": adv.mean().item(), "adv/std": adv.std().item() if N > 1 else 0.0,
+            "adv/min": adv.min().item(), "adv/max": adv.max().item(),
+            "len/mean": rollout.lengths.float().mean().item(), "len/max": rollout.lengths.max().item(),
+            "len/truncated_frac": rollout.truncated.float().mean().item(),
+            "train/lr": self.scheduler.get_last_lr()[0],
+        })
+        return out
+
+    def train_step(self) -> dict[str, float]:
+        rollout, stats = self.collect()
+        if len(rollout) == 0:
+            self.log.warn(f"step {self.step}: no group left after filtering; skipping the update")
+            return stats
+        t0 = time.perf_counter()
+        metrics = self.update(rollout)
+        stats["time/update"] = time.perf_counter() - t0
+        stats["tokens_per_s"] = stats.pop("gen_tokens") / max(stats["time/sample"], 1e-9)
+        stats.update(metrics)
+        return stats
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        contexts = self.task.eval_batch(self.cfg.train.eval_size)
+        gen = torch.Generator(device=self.device).manual_seed(12345)
+        with self.autocast:
+            rollout = self.policy.sample(contexts, 1, generator=gen, temperature=0.0)
+        self.score(rollout)
+        result = {f"eval/{k}": v.mean().item() for k, v in rollout.rewards.items()}
+        result["eval/len_mean"] = rollout.lengths.float().mean().item()
+        result["step"] = self.step
+        return result
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self, resume: bool = True) -> dict[str, Any]:
+        t = self.cfg.train
+        if t.threads > 0:
+            torch.set_num_threads(t.threads)
+        resumed = resume and self.resume()
+        if not resumed:
+            self.log.reset()
+            self.sft()
+            if self.step == 0:
+                self.eval_history.append(self.evaluate())
+                self.log.log(self.eval_history[-1], step=0)
+        bar = _progress(range(self.step, t.steps), "grpo", t.progress, total=t.steps, initial=self.step)
+        for _ in bar:
+            metrics = self.train_step()
+            self.step += 1
+            if self.step % t.log_every == 0:
+                self.log.log(metrics, step=self.step)
+            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                self.eval_history.append(self.evaluate())
+                self.log.log(self.eval_history[-1], step=self.step)
+            if hasattr(bar, "set_postfix"):
+                post = {"reward": f"{metrics.get('reward/total', float('nan')):.3f}"}
+                if self.eval_history:
+                    post["eval"] = f"{self.eval_history[-1].get('eval/total', float('nan')):.3f}"
+                bar.set_postfix(post)
+            if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
+                self.save()
+        if not self.eval_history or self.eval_history[-1]["step"] != self.step:
+            self.eval_history.append(self.evaluate())
+        ckpt = self.save()
+        self.policy.save(self.out_dir / "final")
+        results = {
+            "eval_before": self.eval_history[0],
+            "eval_after": self.eval_history[-1],
+            "eval_history": self.eval_history,
+            "checkpoint": str(ckpt),
+            "config": self.cfg.to_dict(),
+        }
+        atomic_write_text(self.out_dir / "results.json", json.dumps(results, indent=2))
+        self.log.close()
+        return results
+
+
+def _progress(it, desc: str, enabled: bool, **kwargs):
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, desc=desc, dynamic_ncols=True, **kwargs)

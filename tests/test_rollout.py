@@ -1,0 +1,131 @@
+"""Sampler log-probs must equal the trainer's teacher-forced log-probs: where RL code silently breaks."""
+
+import pytest
+import torch
+
+from mmrl.policies.causal_lm import CausalLMPolicy
+from mmrl.policies.fast_decode import FastDecoder
+from mmrl.rollout import Rollout, _filter_logits, sample_tokens
+
+PROMPTS = [{"prompt": "1+2="}, {"prompt": "13+45="}, {"prompt": "the cat sat and then 7+"}]
+
+
+def make_policy(tiny_lm, fast: bool, **kw) -> CausalLMPolicy:
+    model, tok = tiny_lm
+    return CausalLMPolicy(model, tok, max_new_tokens=12, fast_decode=fast, **kw)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_logprobs_match_teacher_forcing(tiny_lm, fast, temperature):
+    policy = make_policy(tiny_lm, fast, temperature=temperature)
+    assert (policy._fast is not None) == fast
+    gen = torch.Generator().manual_seed(3)
+    rollout = policy.sample(PROMPTS, group_size=4, generator=gen)
+    # Prompts of different lengths: left padding is really exercised.
+    assert (rollout.extras["prompt_mask"] == 0).any()
+    with torch.no_grad():
+        logp, entropy = policy.logprobs(rollout, with_entropy=True)
+    m = rollout.mask
+    assert m.any()
+    diff = torch.where(m, logp - rollout.logp_old, 0.0).abs().max().item()
+    assert diff < 1e-5, diff
+    assert torch.isfinite(entropy[m]).all() and (entropy[m] >= 0).all()
+
+
+def test_fast_decoder_draws_the_same_tokens_as_hf(tiny_lm):
+    slow, fast = make_policy(tiny_lm, False), make_policy(tiny_lm, True)
+    a = slow.sample(PROMPTS, 4, generator=torch.Generator().manual_seed(11))
+    b = fast.sample(PROMPTS, 4, generator=torch.Generator().manual_seed(11))
+    assert torch.equal(a.units, b.units)
+    assert torch.equal(a.mask, b.mask)
+    assert torch.allclose(a.logp_old, b.logp_old, atol=1e-5)
+
+
+def test_fast_decoder_declines_unknown_architectures():
+    class Dummy(torch.nn.Module):
+        config = type("C", (), {"model_type": "gpt2"})()
+
+    assert FastDecoder.maybe(Dummy()) is None
+
+
+def test_sampling_is_reproducible_under_a_seed(tiny_lm):
+    policy = make_policy(tiny_lm, True)
+    a = policy.sample(PROMPTS, 3, generator=torch.Generator().manual_seed(5))
+    b = policy.sample(PROMPTS, 3, generator=torch.Generator().manual_seed(5))
+    c = policy.sample(PROMPTS, 3, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(a.units, b.units) and torch.equal(a.logp_old, b.logp_old)
+    assert not torch.equal(a.units, c.units)
+
+
+def test_mask_runs_through_first_eos_and_truncation_flag(tiny_lm):
+    model, tok = tiny_lm
+    enc = tok(["1+2="] * 64, return_tensors="pt", padding=True)
+    out = sample_tokens(model, enc.input_ids, enc.attention_mask, max_new_tokens=6,
+                        eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                        generator=torch.Generator().manual_seed(0))
+    for row, m, trunc in zip(out.tokens, out.mask, out.truncated):
+        eos_at = (row == tok.eos_token_id).nonzero()
+        if len(eos_at):
+            first = int(eos_at[0])
+            assert m[: first + 1].all() and not m[first + 1:].any()
+            assert not trunc
+        else:
+            assert m.all() and trunc and out.tokens.shape[1] == 6
+
+
+def test_suppressed_vision_tokens_are_never_sampled(tiny_lm):
+    policy = make_policy(tiny_lm, True)
+    assert policy.suppress_token_ids, "the tiny tokenizer carries the Qwen vision tokens"
+    rollout = policy.sample(PROMPTS, 16, generator=torch.Generator().manual_seed(0))
+    assert not torch.isin(rollout.units[rollout.mask], torch.tensor(policy.suppress_token_ids)).any()
+
+
+def test_greedy_is_deterministic_and_argmax(tiny_lm):
+    policy = make_policy(tiny_lm, True)
+    a = policy.sample(PROMPTS, 2, temperature=0.0)
+    b = policy.sample(PROMPTS, 2, generator=torch.Generator().manual_seed(99), temperature=0.0)
+    assert torch.equal(a.units, b.units)
+    assert torch.equal(a.units[0::2], a.units[1::2])
+
+
+def test_top_k_top_p_filtering():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    k2 = _filter_logits(logits, 2, 1.0)
+    assert torch.isfinite(k2[0, :2]).all() and torch.isinf(k2[0, 2:]).all()
+    p = _filter_logits(logits, 0, 0.7)  # 0.5 + 0.3 reaches 0.7: keep two
+    assert torch.isfinite(p[0, :2]).all() and torch.isinf(p[0, 2:]).all()
+    p1 = _filter_logits(logits, 0, 0.4)  # the top token alone covers 0.4
+    assert torch.isfinite(p1[0, 0]) and torch.isinf(p1[0, 1:]).all()
+
+
+def test_rollout_select_and_concat_pad(tiny_lm):
+    policy = make_policy(tiny_lm, True)
+    a = policy.sample(PROMPTS[:1], 2, generator=torch.Generator().manual_seed(0))
+    b = policy.sample(PROMPTS[1:], 2, generator=torch.Generator().manual_seed(1), group_offset=1)
+    both = Rollout.concat([a, b])
+    assert len(both) == 6 and both.units.shape[1] == max(a.units.shape[1], b.units.shape[1])
+    assert both.extras["prompt_ids"].shape[1] == max(a.extras["prompt_ids"].shape[1], b.extras["prompt_ids"].shape[1])
+    # Padding changes nothing that is trained: log-probs of the joined batch equal the parts'.
+    with torch.no_grad():
+        joined = policy.logprobs(both)[0]
+        part = policy.logprobs(a)[0]
+    Ta = a.units.shape[1]
+    assert torch.allclose(torch.where(a.mask, joined[:2, :Ta], 0), torch.where(a.mask, part, 0), atol=1e-5)
+    sub = both.select(torch.tensor([0, 5]))
+    assert sub.group_ids.tolist() == [0, 2] and sub.contexts[1] == PROMPTS[2]
+
+
+def test_pretrained_path_loads_a_saved_tiny_model(tiny_lm, tmp_path):
+    from mmrl.config import ModelConfig, SamplingConfig
+
+    model, tok = tiny_lm
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = CausalLMPolicy.from_config(ModelConfig(source="pretrained", path=str(tmp_path)), SamplingConfig())
+    original = CausalLMPolicy(model, tok)
+    r = original.sample(PROMPTS, 2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.logprobs(r)[0], original.logprobs(r)[0])
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        CausalLMPolicy.from_config(ModelConfig(source="pretrained", path=str(tmp_path / "nope")), SamplingConfig())
