@@ -23,6 +23,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    # Which policy adapter (mmrl.policies.POLICIES): causal_lm, and the domains' own.
+    policy: str = "causal_lm"
+    params: dict[str, Any] = field(default_factory=dict)  # adapter-specific settings
     # `tiny`: a Qwen2-architecture model built from `tiny` sizes with a tokenizer trained on the
     # task's corpus (tests, CPU demo). `pretrained`: `from_pretrained(path)` of a local directory.
     source: Literal["tiny", "pretrained"] = "tiny"
@@ -272,6 +275,7 @@ def validate(cfg: RunConfig) -> None:
     """Cross-field checks and registry names (imports are local: registries fill on import)."""
     from mmrl.algos import get_loss_spec, list_algorithms
     from mmrl.envs import TASKS
+    from mmrl.policies import POLICIES
     from mmrl.rewards import REWARDS
 
     try:
@@ -281,6 +285,8 @@ def validate(cfg: RunConfig) -> None:
     estimators = [name for name, *_ in list_algorithms()["advantage"]]
     adv = cfg.algo.resolved_advantage()
     _check(adv in estimators, f"algo.advantage: unknown estimator {adv!r}; valid: {', '.join(sorted(estimators))}")
+    _check(cfg.model.policy in POLICIES,
+           f"model.policy: unknown policy {cfg.model.policy!r}; valid: {', '.join(sorted(POLICIES))}")
     _check(cfg.task.name in TASKS, f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(sorted(TASKS))}")
     _check(len(cfg.rewards) > 0, "rewards: at least one reward is needed")
     for i, r in enumerate(cfg.rewards):

@@ -240,7 +240,7 @@ class Trainer:
                                                       denominator=denom, agg=self.agg,
                                                       **{k: v for k, v in self.loss_params.items() if k != "agg"})
                     if ref_logp is not None:
-                        kl = algos.kl_penalty(logp, ref_logp[micro], a.kl_kind)
+                        kl = algos.kl_penalty(logp, ref_logp[micro], a.kl_kind, mask=m)
                         kl_term = algos.aggregate(kl, m, self.agg, self.max_len, denominator=denom)
                         loss = loss + a.beta * kl_term
                         sums["kl_ref"] += kl_term.item()
@@ -285,6 +285,14 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Greedy decoding on the task's fixed held-out set; a task may add its own metrics."""
+        result = self._evaluate_rewards()
+        if hasattr(self.task, "evaluate"):
+            with self.autocast:
+                result.update({f"eval/{k}": v for k, v in self.task.evaluate(self.policy, self.cfg.train.eval_size).items()})
+        return result
+
+    def _evaluate_rewards(self) -> dict[str, float]:
         contexts = self.task.eval_batch(self.cfg.train.eval_size)
         gen = torch.Generator(device=self.device).manual_seed(12345)
         with self.autocast:

@@ -37,9 +37,12 @@ from mmrl.envs.planning import (
     state_array,
     step_state,
 )
-from mmrl.envs.planning import frozenlake, maze, minibehavior
+from mmrl.envs.planning import frozenlake, minibehavior
 from mmrl.envs.planning.grid import WALL_BITS, passable
 from mmrl.envs.planning.render import PALETTE, Colour
+
+if "torch" in sys.modules:  # keep any torch pulled in by mmrl imports to one thread
+    sys.modules["torch"].set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER_DIR = Path(os.environ.get("VPRL_META_DIR", REPO.parent / "shared" / "vprl"))
@@ -254,6 +257,7 @@ def test_frozenlake_agrees_with_gymnasium() -> None:
     assert n_maps == 60
 
 
+@pytest.mark.filterwarnings("ignore:.*alternative render modes")
 def test_gym_env_api() -> None:
     pytest.importorskip("gymnasium")
     from gymnasium.utils.env_checker import check_env

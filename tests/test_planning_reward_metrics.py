@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,9 @@ from mmrl.rewards.planning import (
     step_rewards,
     step_rewards_from_frames,
 )
+
+if "torch" in sys.modules:  # keep any torch pulled in by mmrl imports to one thread
+    sys.modules["torch"].set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER_DIR = Path(os.environ.get("VPRL_META_DIR", REPO.parent / "shared" / "vprl"))

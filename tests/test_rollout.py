@@ -122,10 +122,10 @@ def test_pretrained_path_loads_a_saved_tiny_model(tiny_lm, tmp_path):
     model, tok = tiny_lm
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    loaded = CausalLMPolicy.from_config(ModelConfig(source="pretrained", path=str(tmp_path)), SamplingConfig())
+    loaded = CausalLMPolicy.from_model_config(ModelConfig(source="pretrained", path=str(tmp_path)), SamplingConfig())
     original = CausalLMPolicy(model, tok)
     r = original.sample(PROMPTS, 2, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded.logprobs(r)[0], original.logprobs(r)[0])
     with pytest.raises(FileNotFoundError, match="config.json"):
-        CausalLMPolicy.from_config(ModelConfig(source="pretrained", path=str(tmp_path / "nope")), SamplingConfig())
+        CausalLMPolicy.from_model_config(ModelConfig(source="pretrained", path=str(tmp_path / "nope")), SamplingConfig())

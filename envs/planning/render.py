@@ -33,7 +33,6 @@ from .grid import (
     Layout,
     ParsedState,
     Phase,
-    UNPARSEABLE,
     _Unparseable,
 )
 

@@ -1,12 +1,33 @@
-"""Policy adapters: the only code that knows a model. `build_policy` picks one from the config."""
+"""Policy adapters: the only code that knows a model. `build_policy` picks one from the config.
+
+Each adapter follows `mmrl.policies.base.Policy` and has a classmethod
+`from_config(cfg: RunConfig, task, device)`. Register a new one with `register_policy(name)`;
+the import path is resolved lazily so heavy domains cost nothing until used.
+"""
 
 from __future__ import annotations
 
-from mmrl.config import RunConfig
+import importlib
+from collections.abc import Callable
+
+# name -> "module:Class", imported on first use
+POLICIES: dict[str, str] = {
+    "causal_lm": "mmrl.policies.causal_lm:CausalLMPolicy",
+}
 
 
-def build_policy(cfg: RunConfig, task, device):
-    from mmrl.policies.causal_lm import CausalLMPolicy
+def register_policy(name: str, target: str) -> None:
+    if name in POLICIES and POLICIES[name] != target:
+        raise ValueError(f"policy {name!r} is already registered as {POLICIES[name]}")
+    POLICIES[name] = target
 
-    corpus = task.corpus() if cfg.model.source == "tiny" else None
-    return CausalLMPolicy.from_config(cfg.model, cfg.sampling, corpus=corpus, seed=cfg.train.seed, device=device)
+
+def policy_class(name: str) -> Callable:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(sorted(POLICIES))}")
+    module, cls = POLICIES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_policy(cfg, task, device):
+    return policy_class(cfg.model.policy).from_config(cfg, task, device)

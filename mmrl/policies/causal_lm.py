@@ -43,7 +43,12 @@ class CausalLMPolicy:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_config(cls, model_cfg, sampling_cfg, corpus=None, seed: int = 0, device="cpu") -> CausalLMPolicy:
+    def from_config(cls, cfg, task, device="cpu") -> CausalLMPolicy:
+        corpus = task.corpus() if cfg.model.source == "tiny" else None
+        return cls.from_model_config(cfg.model, cfg.sampling, corpus=corpus, seed=cfg.train.seed, device=device)
+
+    @classmethod
+    def from_model_config(cls, model_cfg, sampling_cfg, corpus=None, seed: int = 0, device="cpu") -> CausalLMPolicy:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         dtype = getattr(torch, model_cfg.dtype)

@@ -100,10 +100,6 @@ class StepJudgement:
         return (self.kind == StepKind.PROGRESS) & (self.dist_next == 0)
 
 
-def _layouts_and_pack(layouts: Sequence[Layout] | LayoutBatch) -> LayoutBatch:
-    return pack_layouts(layouts)
-
-
 def classify_steps(prev_states: Any, next_states: Any, layouts: Sequence[Layout] | LayoutBatch, *,
                    progress_reward: float = REWARD_PROGRESS, no_progress_reward: float = REWARD_NO_PROGRESS,
                    invalid_reward: float = REWARD_INVALID) -> StepJudgement:
@@ -111,7 +107,7 @@ def classify_steps(prev_states: Any, next_states: Any, layouts: Sequence[Layout]
 
     States: int arrays [B, 5] or sequences of ParsedState / UNPARSEABLE / (row, col[, phase]).
     """
-    pack = _layouts_and_pack(layouts)
+    pack = pack_layouts(layouts)
     prev = states_array(prev_states, pack.layouts)
     nxt = states_array(next_states, pack.layouts)
     n = len(pack)
