@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
@@ -133,7 +134,7 @@ def main() -> None:
     ap.add_argument("--model-dir")
     args = ap.parse_args()
     if args.smoke:
-        args.steps, args.warmup = 4, 1
+        args.steps, args.warmup, args.rounds = 4, 1, 1
     if args.child:
         child(args.child, args.model_dir, args.steps, args.max_tokens)
         return
@@ -141,22 +142,24 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     with tempfile.TemporaryDirectory() as d:
         build_model(Path(d), args.hidden, args.layers)
-        res = {}
-        for which in ("trl", "mmrl"):
-            cmd = [sys.executable, __file__, "--child", which, "--model-dir", d, "--steps", str(args.steps),
-                   "--max-tokens", str(args.max_tokens)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode != 0 or not line:
-                sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-                raise SystemExit(f"{which} run failed (exit {proc.returncode})")
-            res[which] = json.loads(line[-1][len("RESULT "):])
+        # Alternate the two sides over rounds, so load from anything else on the machine hits both.
+        res = {"trl": {"step_times": [], "gen_tokens": [], "peak_rss_mib": 0.0},
+               "mmrl": {"step_times": [], "gen_tokens": [], "peak_rss_mib": 0.0}}
+        for _ in range(args.rounds):
+            for which in ("trl", "mmrl"):
+                cmd = [sys.executable, __file__, "--child", which, "--model-dir", d, "--steps", str(args.steps),
+                       "--max-tokens", str(args.max_tokens)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+                if proc.returncode != 0 or not line:
+                    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+                    raise SystemExit(f"{which} run failed (exit {proc.returncode})")
+                one = json.loads(line[-1][len("RESULT "):])
+                res[which]["step_times"] += one["step_times"][args.warmup:]
+                res[which]["gen_tokens"] += one["gen_tokens"][args.warmup:]
+                res[which]["peak_rss_mib"] = max(res[which]["peak_rss_mib"], one["peak_rss_mib"])
 
-    def med(xs):
-        xs = xs[args.warmup:] or xs
-        return statistics.median(xs)
-
-    trl_s, mmrl_s = med(res["trl"]["step_times"]), med(res["mmrl"]["step_times"])
+    trl_s, mmrl_s = statistics.median(res["trl"]["step_times"]), statistics.median(res["mmrl"]["step_times"])
     summary = {
         "mmrl_step_s": round(mmrl_s, 5),
         "trl_step_s": round(trl_s, 5),
@@ -165,7 +168,7 @@ def main() -> None:
         "trl_tokens_per_step": statistics.mean(res["trl"]["gen_tokens"]),
         "mmrl_peak_rss_mib": round(res["mmrl"]["peak_rss_mib"], 1),
         "trl_peak_rss_mib": round(res["trl"]["peak_rss_mib"], 1),
-        "steps": args.steps, "completions_per_step": 8, "max_new_tokens": args.max_tokens,
+        "steps": args.steps, "rounds": args.rounds, "completions_per_step": 8, "max_new_tokens": args.max_tokens,
     }
     print(f"mmrl {mmrl_s * 1000:.1f} ms/step vs TRL {trl_s * 1000:.1f} ms/step: {summary['speedup']:.2f}x")
     print(json.dumps(summary))

@@ -28,3 +28,4 @@ def make_task(name: str, seed: int, **params):
 
 
 from mmrl.envs import arithmetic  # noqa: E402,F401  (registers its task)
+from mmrl.envs.planning import task as _planning_task  # noqa: E402,F401  (registers "planning")

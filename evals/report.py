@@ -24,23 +24,31 @@ def plot_curves(run_dir: str | Path, out: str | Path | None = None) -> Path | No
     import matplotlib.pyplot as plt
 
     out = Path(out or Path(run_dir) / "curves.png")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
     train = [(r["step"], r["reward/total"]) for r in rows if "reward/total" in r]
     evals = [(r["step"], r["eval/total"]) for r in rows if "eval/total" in r]
+    sampled = [(r["step"], r["eval/sampled_total"]) for r in rows if "eval/sampled_total" in r]
     if train:
-        axes[0].plot(*zip(*train), lw=1, label="train reward (batch mean)")
+        axes[0].plot(*zip(*train), lw=1, alpha=0.7, label="train reward (batch mean)")
     if evals:
         axes[0].plot(*zip(*evals), "o-", label="held-out reward (greedy)")
-    axes[0].set_xlabel("RL step")
-    axes[0].legend()
-    axes[0].grid(alpha=0.3)
-    for key, label in (("train/clip_frac", "clip fraction"), ("train/entropy", "entropy"), ("len/mean", "response length")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            axes[1].plot(*zip(*pts), lw=1, label=label)
-    axes[1].set_xlabel("RL step")
-    axes[1].legend()
-    axes[1].grid(alpha=0.3)
+    if sampled:
+        axes[0].plot(*zip(*sampled), "s--", label="held-out reward (sampled)")
+    axes[0].set_title("reward")
+    panels = [(axes[1], "policy", (("train/entropy", "entropy"), ("train/clip_frac", "clip fraction"),
+                                   ("train/approx_kl", "KL to sampler"), ("train/kl_ref", "KL to reference"))),
+              (axes[2], "responses", (("len/mean", "mean length"), ("len/truncated_frac", "truncated share")))]
+    for ax, title, keys in panels:
+        for key, label in keys:
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), lw=1, label=label)
+        ax.set_title(title)
+    for ax in axes:
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

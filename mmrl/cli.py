@@ -87,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("algos", help="list every algorithm name with its citation")
     p.set_defaults(fn=cmd_algos)
-    args = parser.parse_args(argv)
+    # Overrides may come before or after flags (`train CFG --no-resume a.b=1`).
+    args, extra = parser.parse_known_args(argv)
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    if unknown or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
 
     from mmrl.checkpoint import CheckpointError
     from mmrl.config import ConfigError

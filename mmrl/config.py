@@ -80,6 +80,8 @@ class AlgoConfig:
     redit_scale: float = 0.0
     redit_kind: Literal["gaussian", "uniform"] = "gaussian"
     success_filter: list[float] | None = None  # [low, high] on the group mean of the first reward
+    gfpo_keep: int = 0  # > 0: GFPO, keep this many of each group by `gfpo_metric`; the rest get 0
+    gfpo_metric: Literal["shortest", "reward_per_length"] = "shortest"
 
     def resolved_advantage(self) -> str:
         if self.advantage is not None:
@@ -117,6 +119,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end
     eval_every: int = 10
     eval_size: int = 64
+    eval_samples: int = 0  # > 0: also the mean reward of k samples per prompt at the training temperature
     log_every: int = 1
     tensorboard: bool = False
     wandb: bool = False
@@ -309,6 +312,8 @@ def validate(cfg: RunConfig) -> None:
     _check(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
     _check(a.overlong_cache_len < s.max_new_tokens or a.overlong_cache_len == 0,
            f"algo.overlong_cache_len ({a.overlong_cache_len}) must be below sampling.max_new_tokens ({s.max_new_tokens})")
+    _check(a.gfpo_keep == 0 or 1 <= a.gfpo_keep < s.group_size,
+           f"algo.gfpo_keep ({a.gfpo_keep}) must be 0 (off) or in [1, sampling.group_size={s.group_size})")
     if a.success_filter is not None:
         lo_hi = a.success_filter
         _check(len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1] <= 1,

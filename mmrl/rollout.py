@@ -20,7 +20,10 @@ class Rollout:
     mask: torch.Tensor  # bool [N, T], units that are trained
     truncated: torch.Tensor  # bool [N], hit the unit budget without finishing
     contexts: list[Any] = field(default_factory=list)  # per-sample context (prompt, answer, env state)
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # what `logprobs` needs; dim 0 = N
+    # What `logprobs` needs; dim 0 = N. A list value holds one tensor per sample (ragged data such
+    # as a VLM's flat pixel patches); rows may share one tensor object, and `select`/`concat`
+    # index the list instead of the tensor.
+    extras: dict[str, torch.Tensor | list[torch.Tensor]] = field(default_factory=dict)
     rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # named components, [N] each
 
     def __len__(self) -> int:
@@ -43,7 +46,7 @@ class Rollout:
             mask=take(self.mask),
             truncated=take(self.truncated),
             contexts=[self.contexts[i] for i in idx_list] if self.contexts else [],
-            extras={k: take(v) for k, v in self.extras.items()},
+            extras={k: [v[i] for i in idx_list] if isinstance(v, list) else take(v) for k, v in self.extras.items()},
             rewards={k: take(v) for k, v in self.rewards.items()},
         )
 
@@ -87,13 +90,25 @@ class Rollout:
             logp_old=mv(self.logp_old),
             mask=mv(self.mask),
             truncated=mv(self.truncated),
-            extras={k: mv(v) for k, v in self.extras.items()},
+            extras={k: _move_list(v, device) if isinstance(v, list) else mv(v) for k, v in self.extras.items()},
             rewards={k: mv(v) for k, v in self.rewards.items()},
         )
 
 
-def _left_pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate along dim 0, left-padding dim 1 with zeros (prompts are left-padded; 0 = masked)."""
+def _move_list(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Move per-sample tensors, keeping rows that shared one tensor sharing one copy."""
+    moved: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if id(t) not in moved:
+            moved[id(t)] = t.to(device)
+    return [moved[id(t)] for t in tensors]
+
+
+def _left_pad_cat(tensors: list[torch.Tensor] | list[list[torch.Tensor]]) -> torch.Tensor | list[torch.Tensor]:
+    """Concatenate along dim 0, left-padding dim 1 with zeros (prompts are left-padded; 0 = masked).
+    Per-sample lists are joined as lists."""
+    if isinstance(tensors[0], list):
+        return [t for part in tensors for t in part]
     if tensors[0].dim() < 2:
         return torch.cat(tensors)
     width = max(t.shape[1] for t in tensors)

@@ -89,3 +89,121 @@ def build_tiny_qwen2(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **overri
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     return model
+
+
+# ----------------------------------------------------------------------------- tiny Qwen-VL models
+
+# Renders string content, or a list of {"type": "image" | "video" | "text"} items, the way Qwen's
+# own template does: each image becomes <|vision_start|><|image_pad|><|vision_end|>, which the
+# processor expands to one <|image_pad|> per merged patch.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+QWEN_VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Vision patch size per architecture (the spatial merge is 2 for all three).
+_VL_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
+
+TINY_QWEN_VL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    mrope_section=[4, 2, 2],  # must sum to head_dim / 2
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    vision_depth=2,
+    vision_width=32,
+    vision_heads=2,
+)
+
+
+def _check_arch(arch: str) -> str:
+    if arch not in QWEN_VL_ARCHS:
+        raise ValueError(f"unknown Qwen-VL architecture {arch!r}; valid: {', '.join(QWEN_VL_ARCHS)}")
+    return arch
+
+
+def build_qwen_vl_processor(tokenizer: PreTrainedTokenizerFast, arch: str = "qwen2_5_vl", min_tokens: int = 4,
+                            max_tokens: int = 16):
+    """A Qwen-VL processor from a local tokenizer: images are resized to between `min_tokens` and
+    `max_tokens` LM tokens (with Qwen2.5-VL, a 56 px square gives 4 and a 112 px square 16)."""
+    from transformers import (Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor,
+                              Qwen2VLVideoProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor)
+
+    _check_arch(arch)
+    if not 1 <= min_tokens <= max_tokens:
+        raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens} and {max_tokens}")
+    patch, merge = _VL_PATCH[arch], 2
+    unit = (patch * merge) ** 2  # pixels per LM token
+    sizes = dict(min_pixels=min_tokens * unit, max_pixels=max_tokens * unit, patch_size=patch, merge_size=merge)
+    image_processor = Qwen2VLImageProcessor(**sizes)
+    if arch == "qwen3_vl":
+        video_processor = Qwen3VLVideoProcessor(size={"shortest_edge": sizes["min_pixels"],
+                                                      "longest_edge": sizes["max_pixels"]},
+                                                patch_size=patch, merge_size=merge)
+        cls = Qwen3VLProcessor
+    else:
+        video_processor = Qwen2VLVideoProcessor(**sizes)
+        cls = Qwen2_5_VLProcessor if arch == "qwen2_5_vl" else Qwen2VLProcessor
+    return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+               chat_template=VL_CHAT_TEMPLATE)
+
+
+def build_tiny_qwen_vl(tokenizer: PreTrainedTokenizerFast, arch: str = "qwen2_5_vl", seed: int = 0, **overrides):
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL with random weights (about 200k parameters by default)."""
+    import torch
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+
+    _check_arch(arch)
+    unknown = set(overrides) - set(TINY_QWEN_VL)
+    if unknown:
+        raise ValueError(f"unknown tiny Qwen-VL setting(s) {sorted(unknown)}; valid: {', '.join(TINY_QWEN_VL)}")
+    p = {**TINY_QWEN_VL, **overrides}
+    if sum(p["mrope_section"]) * 2 != p["head_dim"]:
+        raise ValueError(f"mrope_section {p['mrope_section']} must sum to head_dim / 2 = {p['head_dim'] // 2}")
+    vocab = tokenizer.get_vocab()
+    rope = {"rope_type": "default", "rope_theta": p["rope_theta"], "mrope_section": list(p["mrope_section"])}
+    if arch == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+    text = dict(vocab_size=len(tokenizer), hidden_size=p["hidden_size"], intermediate_size=p["intermediate_size"],
+                num_hidden_layers=p["num_hidden_layers"], num_attention_heads=p["num_attention_heads"],
+                num_key_value_heads=p["num_key_value_heads"], head_dim=p["head_dim"],
+                max_position_embeddings=p["max_position_embeddings"], rope_parameters=rope,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    depth, width, heads = p["vision_depth"], p["vision_width"], p["vision_heads"]
+    if arch == "qwen2_vl":
+        vision = dict(depth=depth, embed_dim=width, hidden_size=p["hidden_size"], num_heads=heads, mlp_ratio=2,
+                      patch_size=_VL_PATCH[arch])
+        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    elif arch == "qwen2_5_vl":
+        vision = dict(depth=depth, hidden_size=width, intermediate_size=2 * width, num_heads=heads,
+                      out_hidden_size=p["hidden_size"], patch_size=_VL_PATCH[arch], window_size=112,
+                      fullatt_block_indexes=[depth - 1])
+        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    else:
+        vision = dict(depth=depth, hidden_size=width, intermediate_size=2 * width, num_heads=heads,
+                      out_hidden_size=p["hidden_size"], patch_size=_VL_PATCH[arch], num_position_embeddings=64,
+                      deepstack_visual_indexes=[0])
+        config_cls, model_cls = Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    config = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+                        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    return model
+
+
+def build_tiny_qwen2_5_vl(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **overrides):
+    return build_tiny_qwen_vl(tokenizer, "qwen2_5_vl", seed, **overrides)

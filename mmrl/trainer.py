@@ -198,6 +198,9 @@ class Trainer:
             rewards = rewards + algos.overlong_penalty(rollout.lengths, self.max_len, a.overlong_cache_len)
         if a.redit_scale > 0:
             rewards = algos.redit(rewards, a.redit_scale, kind=a.redit_kind, generator=self.sample_gen)
+        if a.gfpo_keep > 0:  # GFPO: statistics and credit only for the kept members of each group
+            keep = algos.gfpo_keep(rewards, rollout.group_ids, a.gfpo_keep, a.gfpo_metric, rollout.lengths)
+            return algos.gfpo_advantages(rewards, rollout.group_ids, keep)
         params = dict(a.advantage_params)
         if self.advantage == "reinforce_pp":
             params["mask"] = rollout.mask
@@ -293,6 +296,9 @@ class Trainer:
         return result
 
     def _evaluate_rewards(self) -> dict[str, float]:
+        """Mean rewards on the held-out set: greedy (`eval/<reward>`), and with
+        `train.eval_samples` > 0 also over k samples at the training temperature
+        (`eval/sampled_<reward>`), the reward the policy actually earns."""
         contexts = self.task.eval_batch(self.cfg.train.eval_size)
         gen = torch.Generator(device=self.device).manual_seed(12345)
         with self.autocast:
@@ -300,6 +306,12 @@ class Trainer:
         self.score(rollout)
         result = {f"eval/{k}": v.mean().item() for k, v in rollout.rewards.items()}
         result["eval/len_mean"] = rollout.lengths.float().mean().item()
+        k = self.cfg.train.eval_samples
+        if k > 0:
+            with self.autocast:
+                sampled = self.policy.sample(contexts, k, generator=gen)
+            self.score(sampled)
+            result.update({f"eval/sampled_{name}": v.mean().item() for name, v in sampled.rewards.items()})
         result["step"] = self.step
         return result
 

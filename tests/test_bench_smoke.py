@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
@@ -27,3 +28,21 @@ def test_advantages_bench_smoke():
     assert result["match"] is True
     for key in ("vectorised_s", "loop_s", "speedup", "sparse64_vectorised_s", "sparse64_speedup"):
         assert result[key] > 0
+
+
+def test_grpo_vs_trl_bench_smoke():
+    """Both trainers run the same tiny model for a few steps; the JSON line carries every field."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("trl")
+    script = Path(__file__).parent.parent / "bench" / "grpo_vs_trl.py"
+    proc = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("mmrl_step_s", "trl_step_s", "speedup", "mmrl_tokens_per_step", "trl_tokens_per_step",
+                "mmrl_peak_rss_mib", "trl_peak_rss_mib"):
+        assert result[key] > 0, key
+    assert result["speedup"] == pytest.approx(result["trl_step_s"] / result["mmrl_step_s"], rel=0.01)

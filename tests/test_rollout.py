@@ -129,3 +129,22 @@ def test_pretrained_path_loads_a_saved_tiny_model(tiny_lm, tmp_path):
         assert torch.equal(loaded.logprobs(r)[0], original.logprobs(r)[0])
     with pytest.raises(FileNotFoundError, match="config.json"):
         CausalLMPolicy.from_model_config(ModelConfig(source="pretrained", path=str(tmp_path / "nope")), SamplingConfig())
+
+
+def test_lean_forward_matches_hf_in_value_and_gradient(tiny_lm):
+    """The fast teacher-forced path must be the HF model's math: same log-probs, same gradients."""
+    fast, slow = make_policy(tiny_lm, True), make_policy(tiny_lm, False)
+    rollout = fast.sample(PROMPTS, 3, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for policy in (fast, slow):
+        policy.model.zero_grad()
+        logp, ent = policy.logprobs(rollout, with_entropy=True)
+        loss = torch.where(rollout.mask, logp + 0.1 * ent, 0.0).sum()
+        loss.backward()
+        grads.append({k: p.grad.clone() for k, p in policy.model.named_parameters()})
+        if policy is fast:
+            fast_logp = logp.detach()
+        else:
+            assert torch.allclose(torch.where(rollout.mask, fast_logp - logp.detach(), 0), torch.zeros_like(logp), atol=1e-5)
+    for k in grads[0]:
+        assert torch.allclose(grads[0][k], grads[1][k], atol=1e-5, rtol=1e-4), k

@@ -148,3 +148,31 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     trainer = build(make_cfg(tmp_path))
     with pytest.raises(CheckpointError, match="missing"):
         load_checkpoint(tmp_path / "nowhere", trainer.policy.model)
+
+
+def test_lora_trains_only_adapters_and_uses_the_base_as_reference(tmp_path):
+    pytest.importorskip("peft")
+    cfg = make_cfg(tmp_path, model={"lora_rank": 4, "lora_target_modules": ["q_proj", "v_proj"]}, algo={"beta": 0.1})
+    trainer = build(cfg)
+    assert trainer.policy.reference is None  # the disabled adapter is the reference: no copy
+    trainable = {n for n, p in trainer.policy.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    frozen_before = {n: p.detach().clone() for n, p in trainer.policy.model.named_parameters() if not p.requires_grad}
+    lora_before = {n: p.detach().clone() for n, p in trainer.policy.model.named_parameters() if p.requires_grad}
+    metrics = trainer.train_step()
+    after = dict(trainer.policy.model.named_parameters())
+    assert all(torch.equal(frozen_before[n], after[n]) for n in frozen_before)
+    assert any(not torch.equal(lora_before[n], after[n]) for n in lora_before)
+    assert metrics["train/kl_ref"] >= 0
+
+
+def test_gfpo_gives_zero_advantage_to_filtered_members(tmp_path):
+    trainer = build(make_cfg(tmp_path, algo={"gfpo_keep": 3, "gfpo_metric": "shortest"}))
+    rollout, _ = trainer.collect()
+    adv = trainer.advantages(rollout)
+    for gid in rollout.group_ids.unique():
+        rows = rollout.group_ids == gid
+        assert int((adv[rows] != 0).sum()) <= 3
+        kept_len = rollout.lengths[rows][adv[rows] != 0]
+        if len(kept_len):  # the kept ones are among the shortest of their group
+            assert kept_len.max() <= rollout.lengths[rows].sort().values[2]

@@ -13,6 +13,8 @@ from collections.abc import Callable
 # name -> "module:Class", imported on first use
 POLICIES: dict[str, str] = {
     "causal_lm": "mmrl.policies.causal_lm:CausalLMPolicy",
+    "qwen_vl": "mmrl.policies.qwen_vl:QwenVLPolicy",
+    "vprl_text": "mmrl.policies.vprl_text:VPRLTextPolicy",
 }
 
 

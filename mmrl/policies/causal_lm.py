@@ -144,8 +144,11 @@ class CausalLMPolicy:
         ids = torch.cat([prompt_ids, units], 1)
         attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
         # Only the T positions that predict a completion token are projected to the vocabulary.
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
-                       use_cache=False, logits_to_keep=T + 1).logits[:, :-1].float()
+        if self._fast is not None and model is self.model and not (model.training and self._fast.dropout > 0):
+            logits = self._fast.forward_logits(ids, attn, keep_last=T + 1)[:, :-1].float()
+        else:
+            logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
+                           use_cache=False, logits_to_keep=T + 1).logits[:, :-1].float()
         logits = logits / (self.temperature if temperature is None else temperature)
         if self.suppress_token_ids:
             logits = logits.index_fill(-1, torch.tensor(self.suppress_token_ids, device=logits.device), float("-inf"))

@@ -42,3 +42,19 @@ def arithmetic_digits(contexts: list[dict], outputs: list[str]) -> torch.Tensor:
         hits = sum(a == b for a, b in zip(got, want))
         rewards.append(hits / max(len(got), len(want)))
     return torch.tensor(rewards, dtype=torch.float32)
+
+
+@register_reward("exact_match")
+def exact_match(contexts: list[dict], outputs: list[str]) -> torch.Tensor:
+    """1 when the stripped completion equals the context's `answer` string."""
+    return torch.tensor([float(o.strip() == str(c["answer"])) for c, o in zip(contexts, outputs, strict=True)])
+
+
+@register_reward("position_match")
+def position_match(contexts: list[dict], outputs: list[str]) -> torch.Tensor:
+    """Share of characters right at their position, over the longer of answer and output."""
+    out = []
+    for c, o in zip(contexts, outputs, strict=True):
+        got, want = o.strip(), str(c["answer"])
+        out.append(sum(a == b for a, b in zip(got, want)) / max(len(got), len(want), 1))
+    return torch.tensor(out)

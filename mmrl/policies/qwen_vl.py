@@ -1,0 +1,401 @@
+"""Policy adapter for Qwen-VL models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): image(s) + text in, text out.
+
+Contexts are dicts with a text prompt (`prompt_key`, default "prompt") and an image or a list of
+images (`image_key`, default "frame": uint8 HxWx3 arrays, PIL images or file paths; None for a
+text-only context). Each is rendered as one user turn of the processor's chat template.
+
+What makes sampled and teacher-forced log-probs agree (tests/test_qwen_vl_policy.py):
+
+* Positions are the model's own 3-D mRoPE positions (`get_rope_index`, from `mm_token_type_ids`
+  and `image_grid_thw`), always passed explicitly, so the model's cached `rope_deltas` state is
+  never consulted. Text after the prompt continues at max(prompt positions) + 1 on all three axes,
+  exactly what `get_rope_index` gives when run over prompt + completion.
+* Vision special tokens (and padded vocabulary rows) are suppressed in sampling and masked the same
+  way in training; logits are divided by the temperature in both.
+* Prompts are left-padded; the completion has `mm_token_type_ids` 0; training runs `use_cache=False`.
+
+Vision inputs are ragged (a flat `[patches, D]` tensor per image), so the rollout keeps them as
+per-sample lists (`Rollout.extras` list values), shared by the G samples of a context. Sampling
+prefills each context once and repeats its KV cache for the G samples.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmrl.rollout import Rollout, sample_tokens
+
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+_VISION_TOKEN_CONFIG_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+# model.params: what the policy reads from contexts, and how `from_config` builds the model.
+POLICY_PARAMS = {"image_key", "prompt_key", "target_key", "target_join", "system_prompt", "min_image_tokens",
+                 "max_image_tokens"}
+BUILD_PARAMS = {"arch", "freeze_vision"}
+
+
+def _to_image(x: Any, where: str):
+    """A PIL RGB image from an HxWx3 uint8 array, a PIL image or a file path."""
+    from PIL import Image
+
+    if isinstance(x, Image.Image):
+        return x.convert("RGB")
+    if isinstance(x, (str, Path)):
+        return Image.open(x).convert("RGB")
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.uint8 or x.ndim != 3 or x.shape[-1] != 3:
+            raise ValueError(f"{where}: expected a uint8 HxWx3 image, got dtype {x.dtype} shape {x.shape}")
+        return Image.fromarray(x)
+    raise TypeError(f"{where}: expected a uint8 HxWx3 array, a PIL image or a path, got {type(x).__name__}")
+
+
+def _rope_owner(model: nn.Module) -> nn.Module:
+    """The inner Qwen-VL model that owns `get_rope_index` (through a PEFT wrapper too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for m in (base, getattr(base, "model", None)):
+        if m is not None and hasattr(m, "get_rope_index"):
+            return m
+    raise TypeError(f"{type(base).__name__} has no get_rope_index: not a Qwen-VL model")
+
+
+def rope_positions(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """The model's 3-D mRoPE position ids [3, B, S] of left-padded sequences (pads get 0)."""
+    pos, _ = _rope_owner(model).get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
+                                               image_grid_thw=image_grid_thw, attention_mask=attention_mask)
+    return pos
+
+
+def vision_inputs(pixel_values: list[torch.Tensor], image_grid_thw: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-sample vision tensors joined into the model's flat `pixel_values` / `image_grid_thw`."""
+    keep = [i for i, g in enumerate(image_grid_thw) if g.numel()]
+    if not keep:
+        return {}
+    return {"pixel_values": torch.cat([pixel_values[i] for i in keep]),
+            "image_grid_thw": torch.cat([image_grid_thw[i] for i in keep])}
+
+
+def token_logprobs(logits: torch.Tensor, units: torch.Tensor, suppress: torch.Tensor | None,
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `units` [N, T] under logits [N, T, V] with `suppress` ids removed (-inf)."""
+    if suppress is not None and suppress.numel():
+        logits = logits.index_fill(-1, suppress, float("-inf"))
+    lse = logits.logsumexp(-1)
+    logp = logits.gather(-1, units.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        probs = (logits - lse.unsqueeze(-1)).exp()
+        # Suppressed entries have probability 0; zero their -inf first so neither the value nor
+        # the gradient meets 0 * inf.
+        finite = torch.where(torch.isinf(logits), torch.zeros_like(logits), logits)
+        entropy = lse - (probs * finite).sum(-1)
+    return logp, entropy
+
+
+class VLStepper:
+    """Next-token logits for `sample_tokens`: vision inputs and mRoPE positions at prefill, which runs
+    once per context (rows `::group_size` of the repeated prompts); the KV cache is then repeated."""
+
+    def __init__(self, model: nn.Module, mm_token_type_ids: torch.Tensor, vision: dict[str, torch.Tensor],
+                 group_size: int):
+        self.model = model
+        self.mm_token_type_ids = mm_token_type_ids  # [n, P], one row per context
+        self.vision = vision
+        self.group_size = group_size
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        G = self.group_size
+        ids, attn = input_ids[::G], attention_mask[::G]
+        pos = rope_positions(self.model, ids, attn, self.mm_token_type_ids, self.vision.get("image_grid_thw"))
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=self.mm_token_type_ids,
+                         use_cache=True, logits_to_keep=1, **self.vision)
+        self.past = out.past_key_values
+        if G > 1:
+            self.past.batch_repeat_interleave(G)
+        self.attn = attention_mask
+        # Text after the prompt continues at max(position) + 1 on every axis (get_rope_index's rule).
+        self.next_pos = (pos.amax(dim=(0, 2)) + 1).repeat_interleave(G)
+        return out.logits[:, -1, :].float().repeat_interleave(G, 0)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Tokens fed after a row's EOS come after all its real tokens; causal attention keeps them
+        # away from anything trained, so they can stay attendable.
+        self.attn = torch.cat([self.attn, self.attn.new_ones(self.attn.shape[0], 1)], dim=1)
+        pos = self.next_pos.view(1, -1, 1).expand(3, -1, 1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=pos,
+                         past_key_values=self.past, use_cache=True)
+        self.past, self.next_pos = out.past_key_values, self.next_pos + 1
+        return out.logits[:, -1, :].float()
+
+
+class QwenVLPolicy:
+    def __init__(self, model: nn.Module, processor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 max_new_tokens: int = 16, image_key: str = "frame", prompt_key: str = "prompt",
+                 target_key: str = "target", target_join: str = " ", system_prompt: str | None = None,
+                 min_image_tokens: int | None = None, max_image_tokens: int | None = None):
+        self.model = model
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.max_new_tokens = max_new_tokens
+        self.image_key = image_key
+        self.prompt_key = prompt_key
+        self.target_key = target_key
+        self.target_join = target_join
+        self.system_prompt = system_prompt
+        self.image_kwargs = self._image_size_kwargs(min_image_tokens, max_image_tokens)
+        tok = self.tokenizer
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        # The tokenizer's EOS first (it ends SFT targets); then the checkpoint's other stop ids.
+        self.eos_token_ids = list(dict.fromkeys(i for i in [tok.eos_token_id, *gen_eos] if i is not None))
+        if not self.eos_token_ids:
+            raise ValueError("the tokenizer has no eos_token and the model's generation_config no eos_token_id")
+        self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_token_ids[0]
+        self.suppress_token_ids = self._suppressed_ids()
+        self.reference: nn.Module | None = None
+
+    def _image_size_kwargs(self, min_tokens: int | None, max_tokens: int | None) -> dict[str, int]:
+        """Processor overrides that resize each image to between min and max LM tokens (None: the
+        processor's own setting)."""
+        ip = self.processor.image_processor
+        unit = (ip.patch_size * ip.merge_size) ** 2  # pixels per LM token
+        out = {}
+        if min_tokens is not None:
+            out["min_pixels"] = int(min_tokens) * unit
+        if max_tokens is not None:
+            out["max_pixels"] = int(max_tokens) * unit
+        if len(out) == 1:  # the image processor applies the two only together
+            size = ip.size
+            out.setdefault("min_pixels", size["shortest_edge"])
+            out.setdefault("max_pixels", size["longest_edge"])
+        if out and not 0 < out["min_pixels"] <= out["max_pixels"]:
+            raise ValueError(f"need 0 < min_image_tokens <= max_image_tokens, got {min_tokens} and {max_tokens}")
+        return out
+
+    def _suppressed_ids(self) -> list[int]:
+        """Vision placeholders (a sampled <|image_pad|> breaks the next forward) and the padded
+        vocabulary rows past the tokenizer, which no text decodes to."""
+        cfg = self.model.config
+        vocab = self.tokenizer.get_vocab()
+        ids = {vocab[t] for t in VISION_TOKENS if t in vocab}
+        ids |= {getattr(cfg, k) for k in _VISION_TOKEN_CONFIG_KEYS if getattr(cfg, k, None) is not None}
+        n_vocab = self.model.get_output_embeddings().weight.shape[0]
+        ids |= set(range(len(self.tokenizer), n_vocab))
+        return sorted(i for i in ids if i < n_vocab)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, cfg, task, device="cpu") -> QwenVLPolicy:
+        """`model.source: tiny` builds a tiny model (`model.params.arch`, sizes in `model.tiny`) with a
+        tokenizer trained on the task's text; `pretrained` loads `model.path`."""
+        m, params = cfg.model, dict(cfg.model.params)
+        unknown = set(params) - POLICY_PARAMS - BUILD_PARAMS
+        if unknown:
+            raise ValueError(f"model.params: unknown key(s) {sorted(unknown)} for a Qwen-VL policy; valid: "
+                             f"{', '.join(sorted(POLICY_PARAMS | BUILD_PARAMS))}")
+        dtype = getattr(torch, m.dtype)
+        arch = params.pop("arch", "qwen2_5_vl")
+        if m.source == "pretrained":
+            model, processor = cls.load_pretrained(m.path, dtype)
+        else:
+            from mmrl.tiny import build_qwen_vl_processor, build_tiny_qwen_vl, build_tokenizer
+
+            corpus = task.corpus() if hasattr(task, "corpus") else _corpus_from_sft(task, params)
+            tokenizer = build_tokenizer(corpus, vocab_size=m.tokenizer_vocab_size)
+            processor = build_qwen_vl_processor(tokenizer, arch, params.get("min_image_tokens", 4),
+                                                params.get("max_image_tokens", 16))
+            model = build_tiny_qwen_vl(tokenizer, arch, seed=cfg.train.seed, **m.tiny).to(dtype)
+        if params.pop("freeze_vision", False):
+            _rope_owner(model).visual.requires_grad_(False)
+        if m.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            # The default targets (q_proj, ...) name only language-model layers.
+            model = get_peft_model(model, LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha,
+                                                     target_modules=m.lora_target_modules))
+        model.to(device)
+        s = cfg.sampling
+        return cls(model, processor, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                   max_new_tokens=s.max_new_tokens, **params)
+
+    @staticmethod
+    def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {path} has no config.json: not a saved checkpoint directory")
+        processor = AutoProcessor.from_pretrained(path)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+        return model, processor
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, **kwargs) -> QwenVLPolicy:
+        model, processor = cls.load_pretrained(path, dtype)
+        return cls(model.to(device), processor, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def save(self, directory: str | Path) -> None:
+        self.model.save_pretrained(directory)
+        self.processor.save_pretrained(directory)
+
+    def enable_reference(self) -> None:
+        """A frozen copy of the current weights for the KL term (LoRA uses the disabled adapter)."""
+        if hasattr(self.model, "disable_adapter"):
+            return
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    # ------------------------------------------------------------------ encoding
+
+    def _images(self, context: dict, i: int) -> list:
+        value = _field(context, self.image_key, i, "image_key")
+        if value is None:
+            return []
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return [_to_image(x, f"context {i} {self.image_key!r}") for x in items]
+
+    def _chat_text(self, prompt: str, n_images: int) -> str:
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
+        messages.append({"role": "user", "content": content})
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, contexts: list[dict]) -> dict[str, Any]:
+        """Left-padded prompt tensors [n, P] and per-context vision lists for `contexts`."""
+        texts, images, counts = [], [], []
+        for i, c in enumerate(contexts):
+            imgs = self._images(c, i)
+            texts.append(self._chat_text(str(_field(c, self.prompt_key, i, "prompt_key")), len(imgs)))
+            images += imgs
+            counts.append(len(imgs))
+        enc = self.processor(text=texts, images=images or None, padding=True, padding_side="left",
+                             return_tensors="pt", **(self.image_kwargs if images else {}))
+        dev = self.device
+        grids = enc["image_grid_thw"] if images else torch.zeros(0, 3, dtype=torch.long)
+        pixels = enc["pixel_values"] if images else torch.zeros(0)
+        # Cut the flat patches at each context's images (patches per image = t * h * w).
+        grid_parts = list(grids.split(counts))
+        patch_parts = list(pixels.split([int(g.prod(-1).sum()) for g in grid_parts])) if images else \
+            [pixels] * len(contexts)
+        return {
+            "prompt_ids": enc["input_ids"].to(dev),
+            "prompt_mask": enc["attention_mask"].to(dev),
+            "mm_token_type_ids": enc["mm_token_type_ids"].to(dev),
+            "pixel_values": [p.to(dev) for p in patch_parts],
+            "image_grid_thw": [g.to(dev) for g in grid_parts],
+        }
+
+    def decode(self, rollout: Rollout) -> list[str]:
+        rows = [u[m].tolist() for u, m in zip(rollout.units.cpu(), rollout.mask.cpu())]
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ sampling
+
+    @torch.no_grad()
+    def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
+               group_offset: int = 0, temperature: float | None = None) -> Rollout:
+        enc = self.encode(contexts)
+        G = group_size
+        prompt_ids = enc["prompt_ids"].repeat_interleave(G, 0)
+        prompt_mask = enc["prompt_mask"].repeat_interleave(G, 0)
+        stepper = VLStepper(self.model, enc["mm_token_type_ids"],
+                            vision_inputs(enc["pixel_values"], enc["image_grid_thw"]), G)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = sample_tokens(self.model, prompt_ids, prompt_mask, max_new_tokens=self.max_new_tokens,
+                                eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                                temperature=self.temperature if temperature is None else temperature,
+                                top_k=self.top_k, top_p=self.top_p, suppress_token_ids=self.suppress_token_ids,
+                                generator=generator, stepper=stepper)
+        finally:
+            self.model.train(was_training)
+        n = len(contexts)
+        group_ids = torch.arange(group_offset, group_offset + n, device=self.device).repeat_interleave(G)
+        # The G rows of a context share its vision tensors (list entries, not copies).
+        per_sample = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
+        return Rollout(
+            group_ids=group_ids,
+            units=out.tokens,
+            logp_old=out.logp,
+            mask=out.mask,
+            truncated=out.truncated,
+            contexts=per_sample(contexts),
+            extras={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                    "mm_token_type_ids": enc["mm_token_type_ids"].repeat_interleave(G, 0),
+                    "pixel_values": per_sample(enc["pixel_values"]),
+                    "image_grid_thw": per_sample(enc["image_grid_thw"])},
+        )
+
+    # ------------------------------------------------------------------ teacher forcing
+
+    def _token_logprobs(self, model: nn.Module, extras: dict[str, Any], units: torch.Tensor, with_entropy: bool,
+                        temperature: float | None = None):
+        T = units.shape[1]
+        ids = torch.cat([extras["prompt_ids"], units], 1)
+        attn = torch.cat([extras["prompt_mask"], torch.ones_like(units)], 1)
+        mm = torch.cat([extras["mm_token_type_ids"], torch.zeros_like(units)], 1)  # the completion is text
+        vision = vision_inputs(extras["pixel_values"], extras["image_grid_thw"])
+        pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
+        # Only the T positions that predict a completion token are projected to the vocabulary.
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm, use_cache=False,
+                       logits_to_keep=T + 1, **vision).logits[:, :-1].float()
+        logits = logits / (self.temperature if temperature is None else temperature)
+        suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=logits.device)
+        return token_logprobs(logits, units, suppress, with_entropy)
+
+    def logprobs(self, rollout: Rollout, with_entropy: bool = False):
+        return self._token_logprobs(self.model, rollout.extras, rollout.units, with_entropy)
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        if self.reference is not None:
+            return self._token_logprobs(self.reference, rollout.extras, rollout.units, False)[0]
+        with self.model.disable_adapter():
+            return self._token_logprobs(self.model, rollout.extras, rollout.units, False)[0]
+
+    def target_text(self, context: dict, i: int = 0) -> str:
+        t = _field(context, self.target_key, i, "target_key")
+        return self.target_join.join(map(str, t)) if isinstance(t, (list, tuple)) else str(t)
+
+    def sft_loss(self, contexts: list[dict]) -> torch.Tensor:
+        """Token-mean negative log-likelihood of the target text + EOS after each prompt."""
+        enc = self.encode(contexts)
+        eos = self.tokenizer.eos_token or self.tokenizer.convert_ids_to_tokens(self.eos_token_ids[0])
+        targets = self.tokenizer([self.target_text(c, i) + eos for i, c in enumerate(contexts)],
+                                 return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        units, mask = targets.input_ids.to(self.device), targets.attention_mask.bool().to(self.device)
+        logp, _ = self._token_logprobs(self.model, enc, units, False, temperature=1.0)
+        return -torch.where(mask, logp, 0.0).sum() / mask.sum()
+
+
+def _field(context: dict, key: str, i: int, param: str) -> Any:
+    if key not in context:
+        raise KeyError(f"context {i} has no {key!r} (model.params.{param}); its keys: {', '.join(sorted(context))}")
+    return context[key]
+
+
+def _corpus_from_sft(task, params: dict) -> list[str]:
+    """Prompts and targets of a few SFT contexts: a tokenizer corpus for tasks without `corpus()`."""
+    contexts = task.sft_batch(256, np.random.default_rng(0))
+    prompt_key, target_key = params.get("prompt_key", "prompt"), params.get("target_key", "target")
+    join = params.get("target_join", " ")
+
+    def text(v) -> str:
+        return join.join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+    return [text(c.get(prompt_key, "")) + " " + text(c.get(target_key, "")) for c in contexts]
