@@ -208,7 +208,7 @@ def sample_tokens(
     logits = stepper.prefill(input_ids, attention_mask)
     steps = 0
     for t in range(max_new_tokens):
-        scaled = logits if greedy else logits / temperature
+        scaled = logits if greedy or temperature == 1.0 else logits / temperature
         if suppress.numel():
             scaled = scaled.index_fill(-1, suppress, float("-inf"))
         logp_all = scaled.log_softmax(-1)
@@ -224,7 +224,7 @@ def sample_tokens(
         tokens[:, t] = tok
         logps[:, t] = torch.where(finished, 0.0, logp_all.gather(-1, tok[:, None]).squeeze(-1))
         mask[:, t] = ~finished
-        finished = finished | torch.isin(tok, eos)
+        finished = finished | (tok == eos[0] if len(eos) == 1 else torch.isin(tok, eos))
         steps = t + 1
         if t == max_new_tokens - 1 or bool(finished.all()):
             break

@@ -37,11 +37,11 @@ class VQTokenizer(nn.Module):
         config.validate()
         self.config = config
         P, h, d = config.patch_size, config.hidden, config.code_dim
-        self.encoder = nn.Sequential(nn.Conv2d(3, h, P, stride=P), nn.GELU(), nn.Conv2d(h, h, 1), nn.GELU(),
-                                     nn.Conv2d(h, d, 1))
+        # Linear layers on flattened patches: the same maps as a stride-P convolution (and its
+        # transpose) followed by 1x1 convolutions, without the conv overhead on CPU.
+        self.encoder = nn.Sequential(nn.Linear(P * P * 3, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, d))
         self.codebook = nn.Embedding(config.codebook_size, d)
-        self.decoder = nn.Sequential(nn.Conv2d(d, h, 1), nn.GELU(), nn.Conv2d(h, h, 1), nn.GELU(),
-                                     nn.ConvTranspose2d(h, 3, P, stride=P))
+        self.decoder = nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, P * P * 3))
 
     # ------------------------------------------------------------------ shapes and conversion
 
@@ -58,8 +58,9 @@ class VQTokenizer(nn.Module):
                              f"cell_size a multiple of {P}")
         return H // P, W // P
 
-    def _pixels(self, frames) -> torch.Tensor:
-        """uint8 [B, H, W, 3] (array, tensor or list of same-shaped frames) -> float [B, 3, H, W] in [0, 1]."""
+    def patchify(self, frames) -> torch.Tensor:
+        """uint8 [B, H, W, 3] (array, tensor or list of same-shaped frames) -> float patches
+        [B, h, w, P*P*3] in [0, 1]."""
         if isinstance(frames, (list, tuple)):
             frames = np.stack([np.asarray(f) for f in frames])
         x = torch.as_tensor(np.asarray(frames) if not torch.is_tensor(frames) else frames)
@@ -68,16 +69,24 @@ class VQTokenizer(nn.Module):
         self.grid_shape(x.shape[1:])
         x = x.to(self.device)
         x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
-        return x.permute(0, 3, 1, 2).contiguous()
+        B, H, W, _ = x.shape
+        P = self.config.patch_size
+        return x.reshape(B, H // P, P, W // P, P, 3).transpose(2, 3).reshape(B, H // P, W // P, P * P * 3)
+
+    def unpatchify(self, patches: torch.Tensor) -> torch.Tensor:
+        """[B, h, w, P*P*3] -> [B, h*P, w*P, 3]."""
+        B, h, w, _ = patches.shape
+        P = self.config.patch_size
+        return patches.reshape(B, h, w, P, P, 3).transpose(2, 3).reshape(B, h * P, w * P, 3)
 
     # ------------------------------------------------------------------ the VQ-VAE
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, 3, H, W] -> unit-norm patch vectors [B, h, w, d].
+        """patches [..., P*P*3] -> unit-norm patch vectors [..., d].
 
         Unit vectors on both sides (cosine VQ) keep codes from collapsing onto each other: the
         encoder cannot shrink or inflate its outputs to reach a neighbour's code."""
-        return F.normalize(self.encoder(x).permute(0, 2, 3, 1), dim=-1)
+        return F.normalize(self.encoder(x), dim=-1)
 
     def code_vectors(self, codes: torch.Tensor | None = None) -> torch.Tensor:
         e = F.normalize(self.codebook.weight, dim=-1)
@@ -87,20 +96,22 @@ class VQTokenizer(nn.Module):
         """Codes of unit vectors z [..., d] (largest cosine)."""
         return (z @ self.code_vectors().T).argmax(-1)
 
+    def reconstruct(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.decoder(q))
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, 3, H, W] in [0, 1] -> (reconstruction, vq loss, codes [B, h, w])."""
-        z = self.embed(x)  # [B, h, w, d]
+        """patches [..., P*P*3] in [0, 1] -> (reconstruction, vq loss, codes [...])."""
+        z = self.embed(x)
         codes = self.nearest(z.detach())
         q = self.code_vectors(codes)
         vq_loss = F.mse_loss(q, z.detach()) + self.config.beta * F.mse_loss(z, q.detach())
         q_st = z + (q - z).detach()  # straight-through
-        recon = torch.sigmoid(self.decoder(q_st.permute(0, 3, 1, 2)))
-        return recon, vq_loss, codes
+        return self.reconstruct(q_st), vq_loss, codes
 
     @torch.no_grad()
     def encode(self, frames) -> torch.Tensor:
         """uint8 frames [B, H, W, 3] -> long codes [B, h*w] (row-major)."""
-        x = self._pixels(frames)
+        x = self.patchify(frames)
         return self.nearest(self.embed(x)).reshape(x.shape[0], -1)
 
     @torch.no_grad()
@@ -112,8 +123,7 @@ class VQTokenizer(nn.Module):
             raise ValueError(f"codes must be [B, {h * w}] for a {h}x{w} grid, got {tuple(codes.shape)}")
         if codes.numel() and (codes.min() < 0 or codes.max() >= self.config.codebook_size):
             raise ValueError(f"codes outside 0..{self.config.codebook_size - 1}")
-        q = self.code_vectors(codes.reshape(-1, h, w)).permute(0, 3, 1, 2)
-        img = torch.sigmoid(self.decoder(q)).permute(0, 2, 3, 1)
+        img = self.unpatchify(self.reconstruct(self.code_vectors(codes.reshape(-1, h, w))))
         return (img * 255.0).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
 
     # ------------------------------------------------------------------ persistence
@@ -155,7 +165,7 @@ def distinct_patches(frames: Sequence[np.ndarray] | np.ndarray, patch_size: int)
 
 
 def train_vq(frames: Sequence[np.ndarray] | np.ndarray, steps: int = 300, config: VQConfig | None = None,
-             lr: float = 3e-3, batch_size: int = 256, seed: int = 0, warmup_frac: float = 0.3,
+             lr: float = 3e-3, batch_size: int = 256, seed: int = 0, warmup_frac: float = 0.5,
              restart_every: int = 25, device: str | torch.device = "cpu") -> VQTokenizer:
     """Train a `VQTokenizer` on frames (uint8 [H, W, 3] each); deterministic given `seed`.
 
@@ -171,7 +181,7 @@ def train_vq(frames: Sequence[np.ndarray] | np.ndarray, steps: int = 300, config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         vq = VQTokenizer(config).to(device)
-    data = torch.as_tensor(patches, device=device).permute(0, 3, 1, 2).float() / 255.0  # [M, 3, P, P]
+    data = torch.as_tensor(patches, device=device).reshape(len(patches), -1).float() / 255.0  # [M, P*P*3]
     M, K = len(data), config.codebook_size
     opt = torch.optim.Adam(vq.parameters(), lr=lr)
     warmup = int(steps * warmup_frac)
@@ -180,14 +190,13 @@ def train_vq(frames: Sequence[np.ndarray] | np.ndarray, steps: int = 300, config
     for step in range(steps):
         if step == warmup:
             with torch.no_grad():
-                vq.codebook.weight.copy_(_kmeans(vq.embed(data).flatten(1), K, gen))
+                vq.codebook.weight.copy_(_kmeans(vq.embed(data), K, gen))
             # fresh moments for the new objective; a slower encoder keeps the patterns apart
             opt = torch.optim.Adam([{"params": vq.encoder.parameters(), "lr": lr * 0.1},
                                     {"params": [*vq.codebook.parameters(), *vq.decoder.parameters()]}], lr=lr)
         x = data[torch.randint(M, (min(batch_size, M),), generator=gen).to(device)]
         if step < warmup:
-            z = vq.embed(x)
-            loss = F.mse_loss(torch.sigmoid(vq.decoder(z.permute(0, 3, 1, 2))), x)
+            loss = F.mse_loss(vq.reconstruct(vq.embed(x)), x)
         else:
             recon, vq_loss, codes = vq(x)
             loss = F.mse_loss(recon, x) + vq_loss
@@ -230,10 +239,10 @@ def _restart_dead_codes(vq: VQTokenizer, data: torch.Tensor, used: torch.Tensor)
     if len(dead) == 0:
         return
     recon, _, _ = vq(data)
-    err = (recon - data).pow(2).flatten(1).mean(1)
+    err = (recon - data).pow(2).mean(1)
     worst = err.argsort(descending=True)[: len(dead)]
     # only patches reconstructed as another pattern (rms error > 25 grey levels) get a code of their own
     worst = worst[err[worst] > 1e-2]
     if len(worst) == 0:
         return
-    vq.codebook.weight[dead[: len(worst)]] = vq.embed(data[worst]).flatten(1)
+    vq.codebook.weight[dead[: len(worst)]] = vq.embed(data[worst])
