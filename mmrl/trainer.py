@@ -255,7 +255,13 @@ class Trainer:
                     sums["loss"] += loss.item()
                     sums["entropy"] += ent_term.item()
                     for k, v in metrics.items():
-                        sums[k] += float(v) * len(micro) / (N * t.ppo_epochs)  # row-weighted mean
+                        v = float(v)
+                        if k.endswith("_max"):
+                            sums[k] = max(sums.get(k, v), v)
+                        elif k.endswith("_min"):
+                            sums[k] = min(sums.get(k, v), v)
+                        else:
+                            sums[k] += v * len(micro) / (N * t.ppo_epochs)  # row-weighted mean
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
                 self.optimizer.step()
                 self.scheduler.step()

@@ -176,3 +176,14 @@ def test_gfpo_gives_zero_advantage_to_filtered_members(tmp_path):
         kept_len = rollout.lengths[rows][adv[rows] != 0]
         if len(kept_len):  # the kept ones are among the shortest of their group
             assert kept_len.max() <= rollout.lengths[rows].sort().values[2]
+
+
+def test_several_epochs_and_mini_batches_clip_off_policy_ratios(tmp_path):
+    cfg = make_cfg(tmp_path, train={"ppo_epochs": 3, "mini_batches": 2, "lr": 2e-2},
+                   algo={"loss": "grpo", "loss_params": {"eps_low": 0.05, "eps_high": 0.05}})
+    trainer = build(cfg)
+    m = trainer.train_step()
+    # After the first optimizer step the policy has moved: later mini-batches see ratios != 1.
+    assert m["train/ratio_max"] > 1.0 or m["train/ratio_min"] < 1.0
+    assert m["train/clip_frac"] > 0
+    assert trainer.scheduler.last_epoch == 6  # 3 epochs x 2 mini-batches = 6 optimizer steps

@@ -267,6 +267,16 @@ class PlanningTask:
     def load_state_dict(self, state: dict) -> None:
         self.cursor = int(state["cursor"])
 
+    def tokenizer_frames(self, n_layouts: int = 200) -> list[np.ndarray]:
+        """Frames of every reachable state of `n_layouts` train layouts spread over all sizes
+        (what an image tokenizer is trained on; never a held-out layout)."""
+        pick = np.linspace(0, len(self.train) - 1, min(n_layouts, len(self.train))).round().astype(int)
+        frames = []
+        for i in np.unique(pick):
+            lid, lay = self.train[i]
+            frames += [self.render(lay, s) for s in self.graph(lid, lay).states]
+        return frames
+
     # ------------------------------------------------------------------ held-out splits
 
     def paper_split(self):

@@ -15,6 +15,7 @@ POLICIES: dict[str, str] = {
     "causal_lm": "mmrl.policies.causal_lm:CausalLMPolicy",
     "qwen_vl": "mmrl.policies.qwen_vl:QwenVLPolicy",
     "vprl_text": "mmrl.policies.vprl_text:VPRLTextPolicy",
+    "visual_planner": "mmrl.policies.visual_planner.modeling:VisualPlannerPolicy",
 }
 
 

@@ -60,3 +60,49 @@ class Task(Protocol):
 
     # Optional: `corpus() -> list[str]` to train a tiny local tokenizer, and
     # `evaluate(policy, n) -> dict[str, float]` for a domain metric beyond the mean reward.
+
+
+class PolicyBase:
+    """What every adapter shares: device, the frozen reference for the KL term, LoRA wrapping."""
+
+    model: nn.Module
+    reference: nn.Module | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def enable_reference(self) -> None:
+        """A frozen copy of the current weights for the KL term; under LoRA the model with its
+        adapter disabled is the reference, so nothing is copied."""
+        if hasattr(self.model, "disable_adapter"):
+            return
+        import copy
+
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    def reference_module(self):
+        """A context manager yielding the module to run for reference log-probs."""
+        import contextlib
+
+        if self.reference is not None:
+            return contextlib.nullcontext(self.reference)
+        if not hasattr(self.model, "disable_adapter"):
+            raise RuntimeError("reference log-probs need enable_reference() first (algo.beta > 0 calls it)")
+
+        @contextlib.contextmanager
+        def disabled():
+            with self.model.disable_adapter():
+                yield self.model
+
+        return disabled()
+
+
+def apply_lora(model: nn.Module, model_cfg) -> nn.Module:
+    """Wrap `model` with LoRA adapters when `model.lora_rank > 0` (peft); otherwise return it."""
+    if model_cfg.lora_rank <= 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
+                                            target_modules=model_cfg.lora_target_modules))

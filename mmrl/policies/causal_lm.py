@@ -7,16 +7,16 @@ demo) or any local checkpoint loaded with `from_pretrained(dir)`.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from mmrl.policies.base import PolicyBase, apply_lora
 from mmrl.rollout import Rollout, positions_from_mask, sample_tokens
 
 
-class CausalLMPolicy:
+class CausalLMPolicy(PolicyBase):
     def __init__(self, model: nn.Module, tokenizer, *, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, max_new_tokens: int = 16, use_chat_template: bool = False,
                  fast_decode: bool = True):
@@ -33,7 +33,7 @@ class CausalLMPolicy:
         special = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
         vocab = tokenizer.get_vocab()
         self.suppress_token_ids = [vocab[t] for t in special if t in vocab]
-        self.reference: nn.Module | None = None
+        self.reference = None
         self._fast = None
         if fast_decode:
             from mmrl.policies.fast_decode import FastDecoder
@@ -65,29 +65,14 @@ class CausalLMPolicy:
                 raise ValueError("a tiny model needs the task's corpus to train its tokenizer")
             tokenizer = build_tokenizer(corpus, vocab_size=model_cfg.tokenizer_vocab_size)
             model = build_tiny_qwen2(tokenizer, seed=seed, **model_cfg.tiny).to(dtype)
-        if model_cfg.lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
-                                                     target_modules=model_cfg.lora_target_modules))
-        model.to(device)
+        model = apply_lora(model, model_cfg).to(device)
         return cls(model, tokenizer, temperature=sampling_cfg.temperature, top_k=sampling_cfg.top_k,
                    top_p=sampling_cfg.top_p, max_new_tokens=sampling_cfg.max_new_tokens,
                    use_chat_template=model_cfg.use_chat_template, fast_decode=model_cfg.fast_decode and model_cfg.lora_rank == 0)
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     def save(self, directory: str | Path) -> None:
         self.model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
-
-    def enable_reference(self) -> None:
-        """A frozen copy of the current weights for the KL term (LoRA uses the disabled adapter)."""
-        if hasattr(self.model, "disable_adapter"):
-            return
-        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ tokenisation
 
@@ -170,10 +155,8 @@ class CausalLMPolicy:
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         e = rollout.extras
-        if self.reference is not None:
-            return self._token_logprobs(self.reference, e["prompt_ids"], e["prompt_mask"], rollout.units, False)[0]
-        with self.model.disable_adapter():
-            return self._token_logprobs(self.model, e["prompt_ids"], e["prompt_mask"], rollout.units, False)[0]
+        with self.reference_module() as ref:
+            return self._token_logprobs(ref, e["prompt_ids"], e["prompt_mask"], rollout.units, False)[0]
 
     def sft_loss(self, contexts: list[dict]) -> torch.Tensor:
         """Token-mean negative log-likelihood of `target` + EOS after each prompt."""

@@ -21,7 +21,6 @@ prefills each context once and repeats its KV cache for the G samples.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmrl.policies.base import PolicyBase, apply_lora
 from mmrl.rollout import Rollout, sample_tokens
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
@@ -135,7 +135,7 @@ class VLStepper:
         return out.logits[:, -1, :].float()
 
 
-class QwenVLPolicy:
+class QwenVLPolicy(PolicyBase):
     def __init__(self, model: nn.Module, processor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  max_new_tokens: int = 16, image_key: str = "frame", prompt_key: str = "prompt",
                  target_key: str = "target", target_join: str = " ", system_prompt: str | None = None,
@@ -162,7 +162,7 @@ class QwenVLPolicy:
             raise ValueError("the tokenizer has no eos_token and the model's generation_config no eos_token_id")
         self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_token_ids[0]
         self.suppress_token_ids = self._suppressed_ids()
-        self.reference: nn.Module | None = None
+        self.reference = None
 
     def _image_size_kwargs(self, min_tokens: int | None, max_tokens: int | None) -> dict[str, int]:
         """Processor overrides that resize each image to between min and max LM tokens (None: the
@@ -218,13 +218,8 @@ class QwenVLPolicy:
             model = build_tiny_qwen_vl(tokenizer, arch, seed=cfg.train.seed, **m.tiny).to(dtype)
         if params.pop("freeze_vision", False):
             _rope_owner(model).visual.requires_grad_(False)
-        if m.lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
-
-            # The default targets (q_proj, ...) name only language-model layers.
-            model = get_peft_model(model, LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha,
-                                                     target_modules=m.lora_target_modules))
-        model.to(device)
+        # The default LoRA targets (q_proj, ...) name only language-model layers.
+        model = apply_lora(model, m).to(device)
         s = cfg.sampling
         return cls(model, processor, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                    max_new_tokens=s.max_new_tokens, **params)
@@ -245,19 +240,9 @@ class QwenVLPolicy:
         model, processor = cls.load_pretrained(path, dtype)
         return cls(model.to(device), processor, **kwargs)
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     def save(self, directory: str | Path) -> None:
         self.model.save_pretrained(directory)
         self.processor.save_pretrained(directory)
-
-    def enable_reference(self) -> None:
-        """A frozen copy of the current weights for the KL term (LoRA uses the disabled adapter)."""
-        if hasattr(self.model, "disable_adapter"):
-            return
-        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ encoding
 
@@ -363,10 +348,8 @@ class QwenVLPolicy:
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
-        if self.reference is not None:
-            return self._token_logprobs(self.reference, rollout.extras, rollout.units, False)[0]
-        with self.model.disable_adapter():
-            return self._token_logprobs(self.model, rollout.extras, rollout.units, False)[0]
+        with self.reference_module() as ref:
+            return self._token_logprobs(ref, rollout.extras, rollout.units, False)[0]
 
     def target_text(self, context: dict, i: int = 0) -> str:
         t = _field(context, self.target_key, i, "target_key")

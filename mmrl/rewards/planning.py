@@ -246,3 +246,25 @@ def plan_reward(step_rewards: np.ndarray, mask: np.ndarray | None = None,
     if reduce == "mean":
         return (total / np.maximum(m.sum(1), 1)).astype(np.float32)
     raise ValueError(f"unknown reduce {reduce!r}; valid: 'sum', 'mean'")
+
+
+# ----------------------------------------------------------------------------- reward adapter
+
+from mmrl.rewards import register_reward  # noqa: E402
+
+
+@register_reward("vprl_progress")
+def vprl_progress(contexts: Sequence[dict], outputs: Sequence[np.ndarray], **reward_values: float):
+    """Adapter for the trainer: each output is a generated next frame (uint8 [H, W, 3]); it is
+    parsed against its context's layout and scored against the context's `state` (+1 / 0 / -5).
+
+    `reward_values` (from the config's reward params) may override progress_reward,
+    no_progress_reward and invalid_reward."""
+    import torch
+
+    if len(contexts) != len(outputs):
+        raise ValueError(f"{len(outputs)} frames for {len(contexts)} contexts")
+    layouts = [c["layout"] for c in contexts]
+    prev = np.stack([np.asarray(c["state"], np.int64) for c in contexts]) if contexts else np.zeros((0, STATE_DIM),
+                                                                                                   np.int64)
+    return torch.from_numpy(step_rewards_from_frames(prev, list(outputs), layouts, **reward_values))

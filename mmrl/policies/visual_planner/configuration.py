@@ -61,6 +61,8 @@ class VisualPlannerConfig:
     vq_layouts: int = 200  # train layouts whose reachable states are rendered for the VQ
     # the LM's vocabulary: codes, then specials, then one size token per code-grid side
     max_side: int = 32
+    # VOID-filled code slots of the input frame; None: the codes of the task's largest train frame
+    prompt_slots: int | None = None
     fast_decode: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # free room for forks; ignored here
 
@@ -78,6 +80,8 @@ class VisualPlannerConfig:
                 raise ValueError(f"model.params.{name} must be >= 1, got {getattr(cfg, name)}")
         if cfg.vq_steps < 0:
             raise ValueError(f"model.params.vq_steps must be >= 0, got {cfg.vq_steps}")
+        if cfg.prompt_slots is not None and cfg.prompt_slots < 0:
+            raise ValueError(f"model.params.prompt_slots must be >= 0, got {cfg.prompt_slots}")
         if cfg.patch_size is not None and cfg.patch_size < 1:
             raise ValueError(f"model.params.patch_size must be >= 1, got {cfg.patch_size}")
         return cfg
@@ -91,10 +95,16 @@ class VisualPlannerConfig:
 
 @dataclass
 class Vocabulary:
-    """Token ids: codes 0..K-1, then PAD, BOS, SEP, EOS, then `<h=k>` and `<w=k>` size tokens."""
+    """Token ids: codes 0..K-1, then PAD, BOS, SEP, EOS, VOID, then `<h=k>` and `<w=k>` size tokens.
+
+    `prompt_slots`: the input frame's codes are followed by VOID up to this many slots, so a code
+    and its copy in the generated frame are always the same distance apart, whatever the grid
+    size (a tiny LM learns a fixed-offset copy far faster than a size-dependent one). 0: no fill.
+    """
 
     codebook_size: int
     max_side: int = 32
+    prompt_slots: int = 0
 
     @property
     def pad(self) -> int:
@@ -112,19 +122,23 @@ class Vocabulary:
     def eos(self) -> int:
         return self.codebook_size + 3
 
+    @property
+    def void(self) -> int:
+        return self.codebook_size + 4
+
     def height_token(self, h: int) -> int:
         if not 1 <= h <= self.max_side:
             raise ValueError(f"code grid height {h} outside 1..{self.max_side} (raise model.params.max_side)")
-        return self.codebook_size + 4 + h - 1
+        return self.codebook_size + 5 + h - 1
 
     def width_token(self, w: int) -> int:
         if not 1 <= w <= self.max_side:
             raise ValueError(f"code grid width {w} outside 1..{self.max_side} (raise model.params.max_side)")
-        return self.codebook_size + 4 + self.max_side + w - 1
+        return self.codebook_size + 5 + self.max_side + w - 1
 
     @property
     def size(self) -> int:
-        return self.codebook_size + 4 + 2 * self.max_side
+        return self.codebook_size + 5 + 2 * self.max_side
 
     @property
     def special_ids(self) -> list[int]:
@@ -132,7 +146,7 @@ class Vocabulary:
         return list(range(self.codebook_size, self.size))
 
     def to_dict(self) -> dict[str, int]:
-        return {"codebook_size": self.codebook_size, "max_side": self.max_side}
+        return {"codebook_size": self.codebook_size, "max_side": self.max_side, "prompt_slots": self.prompt_slots}
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2))

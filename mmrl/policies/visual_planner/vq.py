@@ -81,19 +81,24 @@ class VQTokenizer(nn.Module):
 
     # ------------------------------------------------------------------ the VQ-VAE
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """patches [..., P*P*3] -> unit-norm patch vectors [..., d].
+    @property
+    def radius(self) -> float:
+        return float(self.config.code_dim) ** 0.5
 
-        Unit vectors on both sides (cosine VQ) keep codes from collapsing onto each other: the
-        encoder cannot shrink or inflate its outputs to reach a neighbour's code."""
-        return F.normalize(self.encoder(x), dim=-1)
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """patches [..., P*P*3] -> patch vectors [..., d] on the sphere of radius sqrt(d).
+
+        Fixed-norm vectors on both sides (cosine VQ) keep codes from collapsing onto each other:
+        the encoder cannot shrink or inflate its outputs to reach a neighbour's code. The radius
+        sqrt(d) gives the decoder inputs of unit scale per dimension (a unit sphere learns slowly)."""
+        return F.normalize(self.encoder(x), dim=-1) * self.radius
 
     def code_vectors(self, codes: torch.Tensor | None = None) -> torch.Tensor:
-        e = F.normalize(self.codebook.weight, dim=-1)
+        e = F.normalize(self.codebook.weight, dim=-1) * self.radius
         return e if codes is None else F.embedding(codes, e)
 
     def nearest(self, z: torch.Tensor) -> torch.Tensor:
-        """Codes of unit vectors z [..., d] (largest cosine)."""
+        """Codes of patch vectors z [..., d] (largest cosine)."""
         return (z @ self.code_vectors().T).argmax(-1)
 
     def reconstruct(self, q: torch.Tensor) -> torch.Tensor:
@@ -235,14 +240,15 @@ def _kmeans(z: torch.Tensor, k: int, gen: torch.Generator, iters: int = 20) -> t
 
 @torch.no_grad()
 def _restart_dead_codes(vq: VQTokenizer, data: torch.Tensor, used: torch.Tensor) -> None:
+    """Move unused codes onto distinct patches that share a code with another one (a merge),
+    worst reconstructed first; a tiny error bound skips merges of near-identical patches."""
     dead = (~used).nonzero().flatten()
     if len(dead) == 0:
         return
-    recon, _, _ = vq(data)
+    recon, _, codes = vq(data)
     err = (recon - data).pow(2).mean(1)
-    worst = err.argsort(descending=True)[: len(dead)]
-    # only patches reconstructed as another pattern (rms error > 25 grey levels) get a code of their own
-    worst = worst[err[worst] > 1e-2]
-    if len(worst) == 0:
-        return
-    vq.codebook.weight[dead[: len(worst)]] = vq.embed(data[worst])
+    shared = torch.bincount(codes, minlength=vq.config.codebook_size)[codes] > 1
+    cand = torch.nonzero(shared & (err > 1e-3)).flatten()
+    cand = cand[err[cand].argsort(descending=True)][: len(dead)]
+    if len(cand):
+        vq.codebook.weight[dead[: len(cand)]] = vq.embed(data[cand])
