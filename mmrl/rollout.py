@@ -216,10 +216,12 @@ def sample_tokens(
             drawn = scaled.argmax(-1)
         else:
             probs = _filter_logits(scaled, top_k, top_p).softmax(-1) if (top_k or top_p < 1.0) else logp_all.exp()
-            # Exponential race (Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) draws i with
-            # probability p_i, and costs less per token than torch.multinomial.
-            race = torch.empty_like(probs).exponential_(generator=generator)
-            drawn = (probs / race).argmax(-1)
+            # Inverse-CDF draw: one uniform per row and a binary search, several times cheaper
+            # per token than torch.multinomial. Scaling u by the row total keeps it strictly
+            # below the last cumulative value, and `right=True` never lands on a p = 0 entry.
+            cdf = probs.cumsum(-1)
+            u = torch.rand((B, 1), generator=generator, device=device, dtype=cdf.dtype) * cdf[:, -1:]
+            drawn = torch.searchsorted(cdf, u, right=True).squeeze(-1)
         tok = torch.where(finished, pad, drawn)
         tokens[:, t] = tok
         logps[:, t] = torch.where(finished, 0.0, logp_all.gather(-1, tok[:, None]).squeeze(-1))

@@ -148,3 +148,21 @@ def test_lean_forward_matches_hf_in_value_and_gradient(tiny_lm):
             assert torch.allclose(torch.where(rollout.mask, fast_logp - logp.detach(), 0), torch.zeros_like(logp), atol=1e-5)
     for k in grads[0]:
         assert torch.allclose(grads[0][k], grads[1][k], atol=1e-5, rtol=1e-4), k
+
+
+def test_sampler_draws_match_the_distribution():
+    """The inverse-CDF draw samples each token with its probability and never a p = 0 token."""
+
+    class Fixed(torch.nn.Module):  # a stepper whose next-token distribution never changes
+        def prefill(self, ids, mask):
+            return torch.log(torch.tensor([[0.0, 0.5, 0.3, 0.2, 0.0]])).expand(ids.shape[0], 5)
+
+        step = lambda self, tok: self.prefill(tok[:, None], None)  # noqa: E731
+
+    n = 20000
+    out = sample_tokens(None, torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long),
+                        max_new_tokens=1, eos_token_ids=[9], pad_token_id=0, stepper=Fixed(),
+                        generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(out.tokens[:, 0], minlength=5).float() / n
+    assert freq[0] == 0 and freq[4] == 0
+    assert torch.allclose(freq[1:4], torch.tensor([0.5, 0.3, 0.2]), atol=0.015)

@@ -48,11 +48,11 @@ class TaskDef:
 
 TASK_DEFS: dict[str, TaskDef] = {
     "reach": TaskDef("reach", SceneLayout(n_balls=3), ("red", "green", "blue", "yellow"), (),
-                     "touch the {obj} ball", max_episode_steps=60),
+                     "touch the {obj} ball", max_episode_steps=40),
     "push": TaskDef("push", SceneLayout(n_blocks=2, n_zones=1), ("red", "blue", "yellow"), ("green", "purple"),
-                    "push the {obj} block to the {zone} zone", max_episode_steps=160),
+                    "push the {obj} block to the {zone} zone", max_episode_steps=80),
     "pick_place": TaskDef("pick_place", SceneLayout(n_blocks=2, n_zones=2), ("red", "blue", "yellow"),
-                          ("green", "purple"), "put the {obj} block in the {zone} zone", max_episode_steps=160),
+                          ("green", "purple"), "put the {obj} block in the {zone} zone", max_episode_steps=96),
 }
 
 

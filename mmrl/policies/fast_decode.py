@@ -89,7 +89,9 @@ class FastDecoder:
         keys/values of positions `start:start+S` are written there and attention reads `:start+S`."""
         B, S = ids.shape
         nq, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        h = F.embedding(ids, self.model.model.embed_tokens.weight)
+        emb = self.model.model.embed_tokens
+        # padding_idx as in nn.Embedding: HF never trains the pad row, and neither may we.
+        h = F.embedding(ids, emb.weight, padding_idx=emb.padding_idx)
         end = start + S
         for i, L in enumerate(layers):
             x = _rms_norm(h, L["ln1"], self.eps)

@@ -1,0 +1,248 @@
+"""VPRL evaluation: closed-loop plans on held-out layouts, laid out like the paper's Table 1.
+
+For one policy on one environment, `evaluate_planner` returns, per split (our held-out `test`
+layouts, out-of-distribution sizes `ood`, the paper's own test split `paper`), EM / PR / success /
+invalid share of failed plans overall and per grid size. `write_planner_report` writes that as
+JSON + Markdown, a PNG of EM/PR against the training step (from the run's metrics.jsonl) and GIFs
+of sample plans (generated frame | its parsed state | the optimal plan's state). `table1` merges
+the JSON files of several runs (methods x environments) into the paper's table:
+
+    python -m mmrl.evals.planning_eval CONFIG --checkpoint RUN_DIR [--method NAME] [--splits test ood paper]
+    python -m mmrl.evals.planning_eval table runs/*/planning_eval.json > table1.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from mmrl.evals.planning_metrics import evaluate_plans, evaluate_plans_by_level
+
+ENV_TITLES = {"frozenlake": "FrozenLake", "maze": "Maze", "minibehavior": "MiniBehavior"}
+METRIC_KEYS = ("exact_match", "progress_rate", "success_rate", "invalid_share_of_failures")
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}"
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate_planner(policy, task, splits: Sequence[str] = ("test",), n: int | None = None,
+                     ) -> tuple[dict[str, Any], dict[str, tuple[list, list]]]:
+    """Metrics per split (overall and `by_level`), and the (contexts, plans) behind them.
+
+    A split that cannot be built (no `paper_split` path, no `ood_sizes`) is skipped with a note.
+    """
+    results: dict[str, Any] = {}
+    raw: dict[str, tuple[list, list]] = {}
+    for split in splits:
+        try:
+            if split == "ood" and not task.ood_layouts():
+                results[split] = {"skipped": "task.params.ood_sizes is empty"}
+                continue
+            contexts, plans = task.rollout_plans(policy, n, split)
+        except (ValueError, FileNotFoundError) as exc:
+            results[split] = {"skipped": str(exc)}
+            continue
+        layouts = [c["layout"] for c in contexts]
+        states = [p["states"] for p in plans]
+        entry = {k: float(v) for k, v in evaluate_plans(states, layouts).items()}
+        entry["by_level"] = {str(lv): {k: float(v) for k, v in m.items()}
+                             for lv, m in evaluate_plans_by_level(states, layouts).items()}
+        stops: dict[str, int] = {}
+        for p in plans:
+            stops[p.get("stop", "?")] = stops.get(p.get("stop", "?"), 0) + 1
+        entry["stop_reasons"] = stops
+        results[split] = entry
+        raw[split] = (contexts, plans)
+    return results, raw
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def split_markdown(results: dict[str, Any], title: str = "") -> str:
+    """One table per run: a row per (split, size) with EM / PR / success / invalid share."""
+    lines = [f"### {title}" if title else "", "",
+             "| split | size | n | EM | PR | success | invalid share of failures |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for split, entry in results.items():
+        if "skipped" in entry:
+            lines.append(f"| {split} | — | 0 | — | — | — | skipped: {entry['skipped']} |")
+            continue
+        rows = [("all", entry)] + [(lv, m) for lv, m in entry["by_level"].items()]
+        for size, m in rows:
+            lines.append(f"| {split} | {size} | {int(m['n'])} | {_pct(m['exact_match'])} | "
+                         f"{_pct(m['progress_rate'])} | {_pct(m['success_rate'])} | "
+                         f"{_pct(m['invalid_share_of_failures'])} |")
+    return "\n".join(lines).lstrip() + "\n"
+
+
+def table1(records: Sequence[dict[str, Any]], split: str = "test") -> str:
+    """The paper's Table 1 layout: a row per method; FrozenLake / Maze / MiniBehavior EM and PR
+    (percent) on `split`. `records`: the JSON written by `write_planner_report`."""
+    methods: dict[str, dict[str, dict]] = {}
+    for rec in records:
+        entry = rec["splits"].get(split, {})
+        if "skipped" not in entry and entry:
+            methods.setdefault(rec["method"], {})[rec["env"]] = entry
+    envs = list(ENV_TITLES)
+    head = "| method | " + " | ".join(f"{ENV_TITLES[e]} EM | {ENV_TITLES[e]} PR" for e in envs) + " |"
+    lines = [head, "| --- |" + " ---: |" * (2 * len(envs))]
+    for method, by_env in methods.items():
+        cells = []
+        for e in envs:
+            m = by_env.get(e)
+            cells += [_pct(m["exact_match"]) if m else "—", _pct(m["progress_rate"]) if m else "—"]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- media
+
+
+def plot_em_pr(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
+    """EM and PR (held-out, closed loop) against the training step, from metrics.jsonl eval rows."""
+    from mmrl.evals.report import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if "eval/exact_match" in r]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out or Path(run_dir) / "em_pr.png")
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    steps = [r["step"] for r in rows]
+    for key, label in (("eval/exact_match", "exact match"), ("eval/progress_rate", "progress rate"),
+                       ("eval/success_rate", "success")):
+        ax.plot(steps, [r.get(key, np.nan) for r in rows], "o-", label=label)
+    levels = sorted({k.rsplit("_L", 1)[1] for r in rows for k in r if k.startswith("eval/exact_match_L")})
+    for lv in levels:
+        ax.plot(steps, [r.get(f"eval/exact_match_L{lv}", np.nan) for r in rows], ":", lw=1, label=f"EM {lv}x{lv}")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plan_gif(context: dict[str, Any], plan: dict[str, Any], path: str | Path, cell_size: int = 16,
+             fps: float = 2.0) -> Path:
+    """A GIF of one plan: generated frame | the state parsed from it | the optimal plan's state."""
+    import imageio.v2 as imageio
+
+    from mmrl.envs.planning import render_state, shortest_path
+
+    lay = context["layout"]
+    optimal = shortest_path(lay, context["state"])
+    first = context["frame"]
+    blank = np.full_like(first, 128)
+    tiles = []
+    gap = np.full((first.shape[0], 4, 3), 255, np.uint8)
+    gen_frames = [first] + list(plan.get("frames", []))
+    for t, state in enumerate(plan["states"]):
+        gen = gen_frames[t] if t < len(gen_frames) else blank
+        parsed = render_state(lay, state, cell_size) if state[0] >= 0 else blank
+        ref = render_state(lay, optimal[min(t, len(optimal) - 1)], cell_size)
+        if gen.shape != first.shape:
+            gen = blank
+        tiles.append(np.concatenate([gen, gap, parsed, gap, ref], 1))
+    tiles += [tiles[-1]] * 2  # linger on the last step
+    path = Path(path)
+    imageio.mimsave(path, tiles, duration=1.0 / fps, loop=0)
+    return path
+
+
+# ----------------------------------------------------------------------------- one run's report
+
+
+def write_planner_report(policy, task, out_dir: str | Path, method: str = "policy",
+                         splits: Sequence[str] = ("test", "ood", "paper"), n: int | None = None,
+                         run_dir: str | Path | None = None, n_gifs: int = 4) -> dict[str, Any]:
+    """Evaluate, then write planning_eval.json, planning_eval.md, em_pr.png and plan GIFs."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results, raw = evaluate_planner(policy, task, splits, n)
+    record = {"method": method, "env": task.env, "sizes": task.sizes, "splits": results}
+    (out_dir / "planning_eval.json").write_text(json.dumps(record, indent=2))
+    md = [f"# {ENV_TITLES[task.env]}: {method}", "", table1([record]), split_markdown(results)]
+    png = plot_em_pr(run_dir, out_dir / "em_pr.png") if run_dir is not None else None
+    if png is not None:
+        md += ["![EM/PR vs training step](em_pr.png)"]
+    if "test" in raw and n_gifs:
+        contexts, plans = raw["test"]
+        gif_dir = out_dir / "plans"
+        gif_dir.mkdir(exist_ok=True)
+        # successes and failures both, so the GIFs show what goes wrong too
+        order = sorted(range(len(plans)), key=lambda i: plans[i].get("stop") != "goal")
+        pick = order[: n_gifs // 2] + order[::-1][: n_gifs - n_gifs // 2]
+        for i in dict.fromkeys(pick):
+            plan_gif(contexts[i], plans[i], gif_dir / f"{contexts[i]['layout_id'].replace('/', '_')}.gif",
+                     cell_size=task.cell_size)
+        md += ["", "GIFs in `plans/`: generated frame | parsed state | optimal plan."]
+    (out_dir / "planning_eval.md").write_text("\n".join(md) + "\n")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "table":
+        p = argparse.ArgumentParser(prog="planning_eval table")
+        p.add_argument("files", nargs="+")
+        p.add_argument("--split", default="test")
+        a = p.parse_args(argv[1:])
+        print(table1([json.loads(Path(f).read_text()) for f in a.files], a.split), end="")
+        return 0
+    p = argparse.ArgumentParser(prog="planning_eval", description="VPRL closed-loop evaluation of a checkpoint")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--checkpoint", help="a run directory or step_NNNNNN checkpoint (default: untrained)")
+    p.add_argument("--method", default=None, help="row name in the table (default: the run directory's name)")
+    p.add_argument("--splits", nargs="+", default=["test", "ood", "paper"])
+    p.add_argument("--n", type=int, default=None, help="layouts per split (default: all)")
+    p.add_argument("--out", default=None, help="output folder (default: <output_dir>/eval)")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from mmrl.checkpoint import find_latest, load_checkpoint
+    from mmrl.cli import _build
+    from mmrl.config import load_config
+
+    cfg = load_config(a.config, a.overrides)
+    task, policy = _build(cfg)
+    run_dir = Path(cfg.train.output_dir)
+    if a.checkpoint:
+        ckpt = Path(a.checkpoint)
+        if (ckpt / "model.safetensors").is_file():
+            run_dir = ckpt.parent
+        else:
+            run_dir, ckpt = ckpt, find_latest(ckpt)
+            if ckpt is None:
+                raise FileNotFoundError(f"no checkpoint (step_*/model.safetensors) under {run_dir}")
+        load_checkpoint(ckpt, policy.model)
+    with torch.no_grad():
+        record = write_planner_report(policy, task, a.out or run_dir / "eval", a.method or run_dir.name, a.splits,
+                                      a.n, run_dir=run_dir)
+    print(table1([record]), end="")
+    for split, entry in record["splits"].items():
+        print(f"{split}: " + (entry["skipped"] if "skipped" in entry else
+                              "  ".join(f"{k}={entry[k]:.3f}" for k in METRIC_KEYS)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

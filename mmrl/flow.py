@@ -1,0 +1,174 @@
+"""Flow-matching samplers as stochastic policies: one shared SDE module for every flow model
+(SmolVLA's action expert here, video generators later).
+
+Convention (rectified flow, as lerobot's SmolVLA/pi0 and diffusers' flow-match schedulers use it):
+
+    x_t = (1 - t) x0 + t eps,   the model predicts v = eps - x0,   t runs 1 (noise) -> 0 (data).
+
+So every step has dt = t_next - t < 0 and the ODE (Euler) step is `x + v dt`.
+
+Flow-GRPO (arXiv 2505.05470) turns each step into a Gaussian with a computable log-prob, using the
+reverse SDE that keeps the ODE's marginals. With eps_hat = x + (1 - t) v the model's noise
+estimate, the score is -eps_hat / t, and the step is
+
+    mean = x + [v + s^2 / (2t) (x + (1 - t) v)] dt,   std = s sqrt(-dt),   s = eta sqrt(t / (1 - t)).
+
+Edges, and what we do about them:
+* s^2 / (2t) = eta^2 / (2 (1 - t)): t cancels, so t = 0 needs no guard (the drift is computed in this
+  form).
+* At t = 1, 1 - t = 0 and s is infinite. We replace 1 - t by max(1 - t, -dt) (in s and in the drift).
+  Every step that starts at t <= 1 - |dt| is unchanged; the first step from t = 1 sees the noise level
+  of t = 1 - |dt|, which is Flow-GRPO's own clamp (sigma_max = the second timestep) on uniform
+  schedules.
+* eta = 0 makes std 0: the step is the ODE step and has no density. `sde_step` allows it (the mean is
+  still right) but `gaussian_logprob` refuses a zero std.
+
+Each denoising step is one decision "unit" for the loss registry: a rollout of K steps has units
+[B, K] with log-probs `sample_sde` returns and `recompute_logprobs` recomputes teacher-forced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, ...], t [B]) -> v [B, ...]
+
+__all__ = ["flow_timesteps", "ode_step", "sde_step", "gaussian_logprob", "sample_ode", "sample_sde",
+           "recompute_logprobs"]
+
+
+def _broadcast_time(t: float | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A scalar or per-sample [B] time as a tensor that broadcasts against x [B, ...]."""
+    t = torch.as_tensor(t, dtype=x.dtype, device=x.device)
+    if t.dim() == 0:
+        return t
+    if t.dim() != 1 or t.shape[0] != x.shape[0]:
+        raise ValueError(f"time must be a scalar or one value per sample [{x.shape[0]}], got shape {tuple(t.shape)}")
+    return t.view(-1, *([1] * (x.dim() - 1)))
+
+
+def flow_timesteps(num_steps: int, shift: float = 1.0, t_max: float = 1.0, t_min: float = 0.0,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """`num_steps + 1` times from `t_max` down to `t_min`, uniform in t, then warped by the SD3
+    `shift` (t' = shift t / (1 + (shift - 1) t); shift > 1 spends more steps near the noise)."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if not 0.0 <= t_min < t_max <= 1.0:
+        raise ValueError(f"need 0 <= t_min < t_max <= 1, got t_min={t_min}, t_max={t_max}")
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    t = torch.linspace(t_max, t_min, num_steps + 1, dtype=torch.float64)
+    if shift != 1.0:
+        t = shift * t / (1 + (shift - 1) * t)
+    return t.to(torch.float32).to(device)
+
+
+def ode_step(x: torch.Tensor, v: torch.Tensor, dt: float | torch.Tensor) -> torch.Tensor:
+    """The deterministic Euler step x + v dt (dt < 0 towards the data)."""
+    return x + v * _broadcast_time(dt, x)
+
+
+def sde_step(x: torch.Tensor, v: torch.Tensor, t: float | torch.Tensor, dt: float | torch.Tensor, eta: float,
+             noise: torch.Tensor | None = None, generator: torch.Generator | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Flow-GRPO SDE step from time t to t + dt: returns (x_next, mean, std).
+
+    `noise` (standard normal, shape of x) is drawn from `generator` when not given; `std` broadcasts
+    against x (a scalar or [B, 1, ...] tensor)."""
+    if eta < 0:
+        raise ValueError(f"eta must be >= 0, got {eta}")
+    tt, dtt = _broadcast_time(t, x), _broadcast_time(dt, x)
+    if bool((dtt >= 0).any()):
+        raise ValueError("dt must be < 0: the sampler integrates from t = 1 (noise) to t = 0 (data)")
+    one_minus_t = torch.maximum(1 - tt, -dtt)  # the t = 1 guard (module docstring)
+    s2 = eta ** 2 * tt / one_minus_t  # s^2
+    drift = v + (eta ** 2 / (2 * one_minus_t)) * (x + (1 - tt) * v)  # s^2 / (2t) written without 1/t
+    mean = x + drift * dtt
+    std = (s2 * -dtt).sqrt()
+    if noise is None:
+        noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return mean + std * noise, mean, std
+
+
+def gaussian_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor | float,
+                     reduce_dims: Sequence[int] | None = None) -> torch.Tensor:
+    """log N(x_next; mean, std^2), summed over `reduce_dims` (default: every dim but the first) -> [B]."""
+    std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
+    if bool((std <= 0).any()):
+        raise ValueError("std must be > 0 for a log-prob (eta = 0 makes the step deterministic)")
+    z = (x_next - mean) / std
+    logp = -0.5 * z.pow(2) - std.log() - 0.5 * math.log(2 * math.pi)
+    dims = tuple(range(1, x_next.dim())) if reduce_dims is None else tuple(reduce_dims)
+    return logp.sum(dims) if dims else logp
+
+
+def _check_timesteps(timesteps: torch.Tensor) -> torch.Tensor:
+    timesteps = torch.as_tensor(timesteps)
+    if timesteps.dim() != 1 or timesteps.numel() < 2:
+        raise ValueError(f"timesteps must be a 1-D tensor of K + 1 >= 2 times, got shape {tuple(timesteps.shape)}")
+    if bool((timesteps[1:] >= timesteps[:-1]).any()):
+        raise ValueError(f"timesteps must decrease strictly (1 -> 0), got {timesteps.tolist()}")
+    return timesteps
+
+
+def _time_batch(t: torch.Tensor, B: int, x: torch.Tensor) -> torch.Tensor:
+    return t.to(device=x.device, dtype=x.dtype).expand(B)
+
+
+def sample_ode(velocity_fn: VelocityFn, x_T: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    """Plain Euler integration from x_T at timesteps[0] to timesteps[-1] (the reference sampler)."""
+    timesteps = _check_timesteps(timesteps)
+    x = x_T
+    for k in range(timesteps.numel() - 1):
+        t, t_next = timesteps[k], timesteps[k + 1]
+        x = ode_step(x, velocity_fn(x, _time_batch(t, x.shape[0], x)), float(t_next - t))
+    return x
+
+
+def sample_sde(velocity_fn: VelocityFn, x_T: torch.Tensor, timesteps: torch.Tensor, eta: float,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample with the SDE: returns the states [B, K+1, ...] (x_T first, the sample last) and the
+    per-step log-probs [B, K] of each transition. Runs under the caller's grad mode; a sampler
+    normally wraps it in `torch.no_grad()`."""
+    timesteps = _check_timesteps(timesteps)
+    x, states, logps = x_T, [x_T], []
+    for k in range(timesteps.numel() - 1):
+        t, t_next = timesteps[k], timesteps[k + 1]
+        v = velocity_fn(x, _time_batch(t, x.shape[0], x))
+        x, mean, std = sde_step(x, v, float(t), float(t_next - t), eta, generator=generator)
+        logps.append(gaussian_logprob(x, mean, std))
+        states.append(x)
+    return torch.stack(states, 1), torch.stack(logps, 1)
+
+
+def recompute_logprobs(velocity_fn: VelocityFn, states: torch.Tensor, timesteps: torch.Tensor, eta: float,
+                       batched: bool = False) -> torch.Tensor:
+    """Teacher-forced log-probs [B, K] of the transitions states[:, k] -> states[:, k+1], with the
+    gradient flowing through `velocity_fn`.
+
+    `batched=False` calls velocity_fn once per step on B rows (the sampler's batch layout).
+    `batched=True` makes one call on B*K rows, sample-major (row b*K + k is sample b at step k), so
+    per-sample conditioning expands with `repeat_interleave(K)`."""
+    timesteps = _check_timesteps(timesteps).to(states.device)
+    K = timesteps.numel() - 1
+    if states.dim() < 2 or states.shape[1] != K + 1:
+        raise ValueError(f"states must be [B, K+1={K + 1}, ...], got shape {tuple(states.shape)}")
+    B = states.shape[0]
+    t, dt = timesteps[:-1], timesteps[1:] - timesteps[:-1]
+    if batched:
+        x = states[:, :-1].reshape(B * K, *states.shape[2:])
+        t_rows, dt_rows = t.repeat(B).to(x.dtype), dt.repeat(B).to(x.dtype)
+        v = velocity_fn(x, t_rows)
+        _, mean, std = sde_step(x, v, t_rows, dt_rows, eta, noise=torch.zeros_like(x))
+        x_next = states[:, 1:].reshape(B * K, *states.shape[2:])
+        return gaussian_logprob(x_next, mean, std).view(B, K)
+    out = []
+    for k in range(K):
+        x = states[:, k]
+        v = velocity_fn(x, _time_batch(t[k], B, x))
+        _, mean, std = sde_step(x, v, float(t[k]), float(dt[k]), eta, noise=torch.zeros_like(x))
+        out.append(gaussian_logprob(states[:, k + 1], mean, std))
+    return torch.stack(out, 1)
