@@ -12,12 +12,13 @@ from mmrl.policies import build_policy
 from mmrl.rewards import REWARDS, register_reward
 from mmrl.trainer import Trainer
 
-if "test_digit_seven" not in REWARDS:
+if "test_digit_share" not in REWARDS:
 
-    @register_reward("test_digit_seven")
-    def _digit_seven(contexts, outputs, **_):
-        """1 when the completion starts with '7': trivially learnable from scratch."""
-        return torch.tensor([1.0 if o.startswith("7") else 0.0 for o in outputs])
+    @register_reward("test_digit_share")
+    def _digit_share(contexts, outputs, **_):
+        """Share of the completion's characters that are digits: trivially learnable from scratch,
+        and dense (a random model scores ~0.04 with spread), so every batch carries signal."""
+        return torch.tensor([sum(ch.isdigit() for ch in o) / max(len(o), 1) for o in outputs])
 
 
 def make_cfg(tmp_path, **sections):
@@ -25,7 +26,7 @@ def make_cfg(tmp_path, **sections):
         "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
                            "num_key_value_heads": 1}, "tokenizer_vocab_size": 280},
         "task": {"name": "arithmetic", "params": {"max_operand": 20}},
-        "rewards": [{"name": "test_digit_seven"}],
+        "rewards": [{"name": "test_digit_share"}],
         "sampling": {"group_size": 8, "max_new_tokens": 4},
         "train": {"steps": 4, "prompts_per_step": 4, "lr": 3e-3, "eval_every": 0, "eval_size": 16,
                   "progress": False, "output_dir": str(tmp_path / "run"), "seed": 1},
@@ -54,7 +55,7 @@ def test_grpo_learns_a_trivial_task(tmp_path):
     trainer = build(cfg)
     rewards = [trainer.train_step()["reward/total"] for _ in range(40)]
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
-    assert last > 0.6 and last > first + 0.4, (first, last)
+    assert last > 0.6 and last > first + 0.4, (first, last)  # from ~0.04 to most samples
 
 
 @pytest.mark.parametrize("algo", [{"loss": "grpo"}, {"loss": "gspo"}, {"loss": "cispo", "beta": 0.05},
