@@ -89,7 +89,8 @@ class _EnvRunner:
                     if term or trunc:
                         break
                 info = {**info, "steps_executed": k + 1}
-            return self._entry(obs), float(reward), bool(term or trunc), bool(self.env.success), info
+            success = getattr(self.env, "success", info.get("success", False))
+            return self._entry(obs), float(reward), bool(term or trunc), bool(success), info
         except Exception as exc:
             tb = traceback.format_exc()
             self.rebuild()

@@ -10,7 +10,6 @@ from functools import partial
 
 import numpy as np
 import pytest
-
 from mmrl.envs.vector import ObsBatch, SyncVectorEnv, VectorEnv
 
 CRASH_SEED = 666  # reset with this seed arms the crash: a fresh env after a restart is healthy
@@ -146,3 +145,24 @@ def test_worker_crash_mid_rollout_fails_its_trajectories_and_the_run_goes_on(cap
 def test_vector_env_rejects_unpicklable_env_fns():
     with pytest.raises(TypeError, match="picklable"):
         VectorEnv([lambda: ToyEnv()], num_workers=1)
+
+
+def test_vla_rollout_bench_smoke():
+    """bench/vla_rollout.py --smoke runs end to end and its last line is the JSON result. One LIBERO
+    env keeps CI short (the 1-vs-N worker ratio needs more envs than that to mean anything)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "vla_rollout.py"), "--smoke", "--libero-envs", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=root, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    mj = result["mujoco"]
+    for key in ("steps_per_s_1w", "steps_per_s_nw", "speedup", "steps_per_s_nw_single_step"):
+        assert mj[key] > 0, key
+    assert mj["speedup"] == pytest.approx(mj["steps_per_s_nw"] / mj["steps_per_s_1w"], rel=0.01)
+    lib = result["libero"]
+    assert "skipped" in lib or (lib["steps_per_s_1w"] > 0 and lib["steps_per_s_nw"] > 0)

@@ -11,7 +11,17 @@ from .gl import select_gl_backend
 
 select_gl_backend()  # before anything imports mujoco
 
-from .env import ACTION_DIM, CAMERAS, ENV_CLASSES, STATE_DIM, PickPlaceEnv, PushEnv, ReachEnv, TabletopEnv, make_tabletop_env  # noqa: E402
+from .env import (  # noqa: E402
+    ACTION_DIM,
+    CAMERAS,
+    ENV_CLASSES,
+    STATE_DIM,
+    PickPlaceEnv,
+    PushEnv,
+    ReachEnv,
+    TabletopEnv,
+    make_tabletop_env,
+)
 from .expert import EXPERTS, Expert, make_expert, run_expert  # noqa: E402
 from .tasks import COLORS, TASK_DEFS, InitState, TaskDef, get_task_def, sample_init_state  # noqa: E402
 

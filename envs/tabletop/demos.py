@@ -110,6 +110,7 @@ def record_demos(task: str | Sequence[str], n_episodes: int | None = None, root:
 def _record_episode(ds, env, expert, seed: int, colors, cameras) -> DemoEpisode | None:
     obs, _ = env.reset(seed=seed, options={"colors": colors} if colors else None)
     expert.reset()
+    length = 0
     for _ in range(env.max_episode_steps):
         action = expert.act(env).astype(np.float32)
         frame = {f"observation.images.{c}": obs["images"][c] for c in cameras}
@@ -117,13 +118,13 @@ def _record_episode(ds, env, expert, seed: int, colors, cameras) -> DemoEpisode 
         frame["action"] = action
         frame["task"] = env.instruction
         ds.add_frame(frame)
+        length += 1
         obs, _, terminated, truncated, _ = env.step(action)
         if terminated or truncated:
             break
     if not env.success:
         ds.clear_episode_buffer()
         return None
-    length = ds.writer.episode_buffer["size"]
     ds.save_episode()
     return DemoEpisode(task=env.task, instruction=env.instruction, seed=seed, colors=colors, length=length)
 

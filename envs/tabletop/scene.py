@@ -89,8 +89,8 @@ def build_mjcf(layout: SceneLayout) -> str:
   </visual>
   <worldbody>
     <light pos="0 -0.3 1.2" dir="0 0.25 -1" castshadow="false" diffuse="0.5 0.5 0.5"/>
-    <geom name="table" type="plane" size="0.6 0.6 0.02" rgba="0.78 0.68 0.55 1" friction="1 0.01 0.001"/>
-    <camera name="front" pos="0 -0.52 0.48" xyaxes="1 0 0 0 0.68 0.73" fovy="52"/>
+    <geom name="table" type="plane" size="1.2 1.2 0.02" rgba="0.78 0.68 0.55 1" friction="1 0.01 0.001"/>
+    <camera name="front" pos="0 -0.36 0.36" xyaxes="1 0 0 0 0.707 0.707" fovy="55"/>
     {zones}{balls}{blocks}
     {_gripper()}
   </worldbody>

@@ -1,0 +1,54 @@
+"""LIBERO through hf-libero + robosuite 1.4, offline, with the official initial states."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+pytest.importorskip("libero", reason="hf-libero is not installed (pip install 'mmrl[libero]')")
+
+from mmrl.envs.libero_env import LiberoEnv, configure_libero, default_assets_dir, suite_name  # noqa: E402
+
+ASSETS = default_assets_dir()
+needs_assets = pytest.mark.skipif(not (ASSETS / "scenes").is_dir(),
+                                  reason=f"LIBERO assets dir {ASSETS} is absent (set MMRL_LIBERO_ASSETS)")
+
+
+def test_suite_names_and_missing_assets_are_clear(tmp_path):
+    assert suite_name("spatial") == "libero_spatial" and suite_name("long") == "libero_10"
+    with pytest.raises(ValueError, match="valid: .*libero_goal"):
+        suite_name("libero_100")
+    with pytest.raises(FileNotFoundError, match="not downloaded"):
+        configure_libero(tmp_path / "nowhere")
+
+
+@needs_assets
+def test_spatial_task0_official_init_state_and_a_few_steps():
+    env = LiberoEnv("libero_spatial", task_id=0, image_size=128, settle_steps=2)
+    try:
+        assert env.instruction == "pick up the black bowl between the plate and the ramekin and place it on the plate"
+        assert env.num_init_states == 50 and env.max_episode_steps == 220
+        obs, info = env.reset(seed=0, options={"init_state_id": 0})
+        assert info["init_state_id"] == 0 and not env.success
+        assert {k: v.shape for k, v in obs["images"].items()} == {"agentview": (128, 128, 3), "wrist": (128, 128, 3)}
+        assert all(v.dtype == np.uint8 and v.std() > 5 for v in obs["images"].values())
+        assert obs["state"].shape == (8,) and obs["state"].dtype == np.float32 and np.isfinite(obs["state"]).all()
+        rng = np.random.default_rng(0)
+        actions = np.concatenate([np.zeros((1, 7)), rng.uniform(-0.5, 0.5, (2, 7))]).astype(np.float32)
+        for a in actions:
+            obs_step, reward, terminated, truncated, info = env.step(a)
+            assert reward == 0.0 and not terminated and not truncated and not info["success"]
+        assert not env.success and info["elapsed_steps"] == 3
+        # Same official state and seed again, the actions as one chunk (cameras off in between):
+        # the observation is the same as after the single steps.
+        env.reset(seed=0, options={"init_state_id": 0})
+        obs_chunk, total, terminated, truncated, info = env.step_chunk(actions)
+        assert info["steps_executed"] == 3 and total == 0.0 and not terminated
+        np.testing.assert_array_equal(obs_chunk["state"], obs_step["state"])
+        for cam in ("agentview", "wrist"):
+            np.testing.assert_array_equal(obs_chunk["images"][cam], obs_step["images"][cam])
+    finally:
+        env.close()
