@@ -36,8 +36,15 @@ import torch
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, ...], t [B]) -> v [B, ...]
 
-__all__ = ["flow_timesteps", "ode_step", "sde_step", "gaussian_logprob", "sample_ode", "sample_sde",
-           "recompute_logprobs"]
+__all__ = [
+    "flow_timesteps",
+    "gaussian_logprob",
+    "ode_step",
+    "recompute_logprobs",
+    "sample_ode",
+    "sample_sde",
+    "sde_step",
+]
 
 
 def _broadcast_time(t: float | torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ POLICIES: dict[str, str] = {
     "qwen_vl": "mmrl.policies.qwen_vl:QwenVLPolicy",
     "vprl_text": "mmrl.policies.vprl_text:VPRLTextPolicy",
     "visual_planner": "mmrl.policies.visual_planner.modeling:VisualPlannerPolicy",
+    "action_vla": "mmrl.policies.action_vla:ActionTokenVLAPolicy",
+    "smolvla": "mmrl.policies.smolvla:SmolVLAPolicy",
 }
 
 

@@ -33,3 +33,4 @@ def get_reward(name: str) -> RewardFn:
 from mmrl.rewards import text  # noqa: E402,F401  (registers the text rewards)
 from mmrl.rewards import planning_text  # noqa: E402,F401  (registers the VPRL text-mode reward)
 from mmrl.rewards import planning  # noqa: E402,F401  (registers the VPRL visual-mode reward)
+from mmrl.rewards import srpo  # noqa: E402,F401  (registers the robot rewards: success, srpo_progress)

@@ -1,0 +1,411 @@
+"""lerobot's SmolVLA (a SmolVLM backbone with a flow-matching action expert) as a GRPO policy.
+
+lerobot samples with `VLAFlowMatching.sample_actions` under `no_grad`: it fills a KV cache with the
+prefix (images, language, state) once, then integrates `denoise_step` with plain Euler from t = 1
+(noise) to t = 0. Here we drive the same pieces ourselves and replace each Euler step by the
+marginal-preserving SDE step of `mmrl.flow` (Flow-GRPO), so every denoising step is a Gaussian with
+an exact log-prob. The units of a trajectory are its denoising steps, K per chunk and S chunks per
+trajectory: `units[n, s*K + k]` is the state x_{k+1} [chunk, max_action_dim] after step k of chunk s,
+`extras["x_init"][n][s]` the chunk's starting noise, and `logprobs` recomputes every step's
+log-prob teacher-forced (prefix with gradient, all K steps of all chunks in one batched
+`denoise_step`). `temperature=0` (evaluation) samples with the deterministic Euler ODE instead.
+
+Episodes run exactly as for the action-token VLA (`mmrl.policies.action_vla.run_episodes`): G copies
+of each context's initial state in a vector env, `n_action_steps` actions of each sampled chunk
+executed per `step_chunk`. Observations reach the model through lerobot's own pre-processor
+(tokenise the instruction, normalise the state) and the actions leave through its post-processor
+(unnormalise), so a pretrained SmolVLA and its dataset statistics work unchanged.
+
+Offline tiny models (tests, CPU demo): `build_tiny_smolvla` writes a tiny SmolVLM folder (config,
+processor config, tokenizer) and builds SmolVLA on it with `load_vlm_weights=False` (FIELD_NOTES).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
+from mmrl.policies.action_vla import VectorEnvFactory, _image_hwc, _np, run_episodes
+from mmrl.policies.base import PolicyBase
+from mmrl.rollout import Rollout
+
+CONFIG_NAME = "mmrl_smolvla.json"
+VLM_DIR = "vlm"
+SMOLVLM_SPECIAL_TOKENS = {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
+                          "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
+POLICY_PARAMS = {"eta", "num_steps", "n_action_steps", "cameras", "max_chunks", "env", "batched_recompute",
+                 "chunk_size", "state_dim", "action_dim", "image_size", "train_expert_only", "dataset_stats"}
+
+
+# ----------------------------------------------------------------------------- tiny offline build
+
+
+def build_tiny_smolvlm_dir(directory: str | Path, corpus: Sequence[str], image_size: int = 32, patch_size: int = 8,
+                           hidden_size: int = 64, num_layers: int = 2, vocab_size: int = 320) -> Path:
+    """Write a tiny SmolVLM (config.json, processor_config.json, tokenizer files) that
+    `SmolVLAConfig(vlm_model_name=directory, load_vlm_weights=False)` builds on, with no hub access."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor
+    from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+
+    from mmrl.tiny import build_tokenizer
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    base = build_tokenizer(list(corpus), vocab_size=vocab_size)
+    base.add_tokens(list(SMOLVLM_SPECIAL_TOKENS.values()), special_tokens=True)
+    # Named extra special tokens give the attributes SmolVLA reads (tokenizer.fake_image_token_id, ...).
+    PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            extra_special_tokens=SMOLVLM_SPECIAL_TOKENS).save_pretrained(directory)
+    tok = AutoTokenizer.from_pretrained(directory)
+    scale = 2
+    if image_size % (patch_size * scale):
+        raise ValueError(f"image_size {image_size} must be a multiple of patch_size * 2 = {patch_size * scale}")
+    seq_len = (image_size // patch_size) ** 2 // scale ** 2
+    image_processor = SmolVLMImageProcessor(size={"longest_edge": image_size}, do_image_splitting=False,
+                                            max_image_size={"longest_edge": image_size})
+    SmolVLMProcessor(image_processor=image_processor, tokenizer=tok, video_processor=SmolVLMVideoProcessor(),
+                     image_seq_len=seq_len).save_pretrained(directory)
+    text = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=hidden_size // 4, max_position_embeddings=512)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=image_size, patch_size=patch_size)
+    SmolVLMConfig(text_config=text, vision_config=vision, scale_factor=scale,
+                  image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=tok.pad_token_id
+                  ).save_pretrained(directory)
+    return directory
+
+
+def build_tiny_smolvla(directory: str | Path, corpus: Sequence[str], *, cameras: Sequence[str] = ("front",),
+                       state_dim: int = 8, action_dim: int = 7, chunk_size: int = 8, n_action_steps: int | None = None,
+                       num_steps: int = 10, image_size: int = 64, vlm_image_size: int = 32, seed: int = 0,
+                       device: str = "cpu", train_expert_only: bool = True,
+                       dataset_stats: dict[str, dict[str, Any]] | None = None):
+    """A tiny SmolVLA (about 0.25M parameters) on a tiny SmolVLM written to `directory / "vlm"`;
+    returns (lerobot policy, pre-processor, post-processor)."""
+    from lerobot.configs.types import FeatureType, PolicyFeature
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig
+    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy as LeRobotSmolVLA
+
+    vlm = build_tiny_smolvlm_dir(Path(directory) / VLM_DIR, corpus, image_size=vlm_image_size)
+    cfg = SmolVLAConfig(
+        vlm_model_name=str(vlm), load_vlm_weights=False, chunk_size=chunk_size,
+        n_action_steps=n_action_steps or chunk_size, max_state_dim=state_dim, max_action_dim=action_dim,
+        resize_imgs_with_padding=(vlm_image_size, vlm_image_size), num_steps=num_steps, device=device,
+        train_expert_only=train_expert_only,
+        input_features={**{f"observation.images.{c}": PolicyFeature(FeatureType.VISUAL, (3, image_size, image_size))
+                           for c in cameras},
+                        "observation.state": PolicyFeature(FeatureType.STATE, (state_dim,))},
+        output_features={"action": PolicyFeature(FeatureType.ACTION, (action_dim,))})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        policy = LeRobotSmolVLA(cfg)
+    pre, post = make_pre_post_processors(cfg, dataset_stats=dataset_stats)
+    return policy.to(device), pre, post
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+
+class SmolVLAPolicy(PolicyBase):
+    """`model` is the lerobot SmolVLAPolicy (the trainable module); `eta` the SDE noise level."""
+
+    def __init__(self, model: nn.Module, preprocessor, postprocessor, *, eta: float = 0.7, num_steps: int | None = None,
+                 n_action_steps: int | None = None, cameras: Sequence[str] | None = None, max_chunks: int = 64,
+                 env_factory: Callable[[list[dict]], Any] | None = None, batched_recompute: bool = True):
+        cfg = model.config
+        if eta <= 0:
+            raise ValueError(f"eta must be > 0 for a stochastic policy with log-probs, got {eta}")
+        self.model, self.preprocessor, self.postprocessor = model, preprocessor, postprocessor
+        self.eta = eta
+        self.num_steps = int(num_steps or cfg.num_steps)
+        self.n_action_steps = int(n_action_steps or cfg.n_action_steps)
+        if not 1 <= self.n_action_steps <= cfg.chunk_size:
+            raise ValueError(f"n_action_steps must be in [1, chunk_size={cfg.chunk_size}], got {self.n_action_steps}")
+        feature_cams = [k[len("observation.images."):] for k in cfg.image_features]
+        self.cameras = list(cameras) if cameras else feature_cams
+        missing = [c for c in self.cameras if c not in feature_cams]
+        if missing:
+            raise ValueError(f"camera(s) {missing} are not image features of this SmolVLA ({feature_cams})")
+        self.max_chunks = max_chunks
+        self.env_factory = env_factory
+        self.batched_recompute = batched_recompute
+        self.timesteps = flow_timesteps(self.num_steps)
+        self.reference = None
+
+    @property
+    def chunk_shape(self) -> tuple[int, int]:
+        return self.model.config.chunk_size, self.model.config.max_action_dim
+
+    @property
+    def action_dim(self) -> int:
+        return self.model.config.action_feature.shape[0]
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, cfg, task, device="cpu") -> SmolVLAPolicy:
+        """`model.source: tiny` builds a tiny SmolVLA offline in `<train.output_dir>/tiny_smolvla`
+        (sizes in `model.params`); `pretrained` loads `model.path` saved by `save` or by lerobot."""
+        m, params = cfg.model, dict(cfg.model.params)
+        unknown = set(params) - POLICY_PARAMS
+        if unknown:
+            raise ValueError(f"model.params: unknown key(s) {sorted(unknown)} for smolvla; valid: "
+                             f"{', '.join(sorted(POLICY_PARAMS))}")
+        env_cfg = params.pop("env", {})
+        env_factory = getattr(task, "make_vector_env", None) or VectorEnvFactory(**env_cfg)
+        policy_kw = {k: params.pop(k) for k in ("eta", "num_steps", "n_action_steps", "cameras", "max_chunks",
+                                                "batched_recompute") if k in params}
+        dev = str(torch.device(device))
+        if m.source == "pretrained":
+            return cls.from_pretrained(m.path, device=dev, env_factory=env_factory, **policy_kw)
+        from mmrl.policies.action_vla import _corpus
+
+        cams = policy_kw.get("cameras") or env_cfg.get("cameras") or ["front"]
+        model, pre, post = build_tiny_smolvla(Path(cfg.train.output_dir) / "tiny_smolvla", _corpus(task, {}),
+                                              cameras=cams, num_steps=policy_kw.get("num_steps", 10),
+                                              n_action_steps=policy_kw.get("n_action_steps"),
+                                              seed=cfg.train.seed, device=dev, **params)
+        return cls(model, pre, post, env_factory=env_factory, **{**policy_kw, "cameras": cams})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", **kwargs) -> SmolVLAPolicy:
+        from lerobot.configs.policies import PreTrainedConfig
+        from lerobot.policies.factory import make_pre_post_processors
+        from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy as LeRobotSmolVLA
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a saved SmolVLA directory")
+        cfg = PreTrainedConfig.from_pretrained(path)
+        cfg.device = str(device)
+        overrides: dict[str, Any] = {"device_processor": {"device": str(device)}}
+        if (path / VLM_DIR).is_dir():  # a tiny model carries its VLM folder along
+            cfg.vlm_model_name = str(path / VLM_DIR)
+            overrides["tokenizer_processor"] = {"tokenizer_name": str(path / VLM_DIR)}
+        model = LeRobotSmolVLA.from_pretrained(path, config=cfg).to(device)
+        pre, post = make_pre_post_processors(cfg, pretrained_path=str(path), preprocessor_overrides=overrides)
+        saved = json.loads((path / CONFIG_NAME).read_text()) if (path / CONFIG_NAME).is_file() else {}
+        return cls(model, pre, post, **{**saved, **kwargs})
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        self.model.save_pretrained(directory)
+        self.preprocessor.save_pretrained(directory)
+        self.postprocessor.save_pretrained(directory)
+        vlm = Path(self.model.config.vlm_model_name)
+        if vlm.is_dir() and vlm.resolve() != (directory / VLM_DIR).resolve():
+            shutil.copytree(vlm, directory / VLM_DIR, dirs_exist_ok=True)
+        (directory / CONFIG_NAME).write_text(json.dumps({"eta": self.eta, "num_steps": self.num_steps,
+                                                         "n_action_steps": self.n_action_steps,
+                                                         "cameras": self.cameras}, indent=2))
+
+    # ------------------------------------------------------------------ the prefix and the velocity
+
+    def _batch(self, images: np.ndarray, states: np.ndarray, instructions: Sequence[str],
+               actions: torch.Tensor | None = None) -> dict[str, Any]:
+        """uint8 images [B, C, H, W, 3] (C = self.cameras), states [B, D] (and expert actions for SFT)
+        -> the lerobot batch, pre-processed (instruction tokenised, state and actions normalised)."""
+        img = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 1, 4, 2, 3).float() / 255.0
+        batch: dict[str, Any] = {f"observation.images.{c}": img[:, i] for i, c in enumerate(self.cameras)}
+        batch["observation.state"] = torch.as_tensor(np.asarray(states), dtype=torch.float32)
+        batch["task"] = [str(s) for s in instructions]
+        if actions is not None:
+            batch["action"] = actions
+        return self.preprocessor(batch)
+
+    def _prefix(self, model: nn.Module, batch: dict[str, Any]):
+        """Embed images + language + state and fill the KV cache: (prefix pad mask, cache)."""
+        from lerobot.policies.common.vla_utils import make_att_2d_masks
+
+        flow = model.model
+        images, img_masks = model.prepare_images(batch)
+        state = model.prepare_state(batch)
+        embs, pad, att = flow.embed_prefix(images, img_masks, batch["observation.language.tokens"],
+                                           batch["observation.language.attention_mask"], state=state)
+        _, cache = flow.vlm_with_expert.forward(attention_mask=make_att_2d_masks(pad, att),
+                                                position_ids=torch.cumsum(pad, dim=1) - 1, past_key_values=None,
+                                                inputs_embeds=[embs, None], use_cache=True)
+        return pad, cache
+
+    @staticmethod
+    def _velocity(model: nn.Module, pad: torch.Tensor, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return lambda x, t: model.model.denoise_step(prefix_pad_masks=pad, past_key_values=cache, x_t=x, timestep=t)
+
+    def _sample_chunks(self, batch: dict[str, Any], generator: torch.Generator | None, stochastic: bool,
+                       noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """States [B, K+1, chunk, A_max] and per-step log-probs [B, K] (zeros for the ODE)."""
+        pad, cache = self._prefix(self.model, batch)
+        v_fn = self._velocity(self.model, pad, cache)
+        B = pad.shape[0]
+        x = noise if noise is not None else torch.randn(B, *self.chunk_shape, generator=generator, device=self.device)
+        ts = self.timesteps.to(self.device)
+        states, logps = [x], []
+        for k in range(self.num_steps):
+            t, dt = float(ts[k]), float(ts[k + 1] - ts[k])
+            v = v_fn(x, ts[k].expand(B))
+            if stochastic:
+                x, mean, std = sde_step(x, v, t, dt, self.eta, generator=generator)
+                logps.append(gaussian_logprob(x, mean, std))
+            else:
+                x = ode_step(x, v, dt)
+                logps.append(torch.zeros(B, device=x.device))
+            states.append(x)
+        return torch.stack(states, 1), torch.stack(logps, 1)
+
+    def _actions(self, x0: torch.Tensor) -> torch.Tensor:
+        """Model-space chunk [B, chunk, A_max] -> env actions [B, n_action_steps, A] (unnormalised)."""
+        return self.postprocessor(x0[:, :self.n_action_steps, :self.action_dim]).float()
+
+    @torch.no_grad()
+    def act(self, observations: dict | Any, instructions: Sequence[str], generator: torch.Generator | None = None,
+            temperature: float | None = None) -> dict[str, torch.Tensor]:
+        """One chunk per row: {"actions" [B, n_action_steps, A], "states" [B, K+1, chunk, A_max],
+        "logp" [B, K]}. `observations` has "images" {camera: uint8 [B, H, W, 3]} and "state" [B, D]."""
+        images = observations["images"] if isinstance(observations, dict) else observations.images
+        state = observations["state"] if isinstance(observations, dict) else observations.state
+        arr = np.stack([_np(images[c]) for c in self.cameras], 1).astype(np.uint8, copy=False)
+        return self._act_arrays(arr, _np(state), list(instructions), generator, temperature)
+
+    def _act_arrays(self, images, states, instructions, generator, temperature) -> dict[str, torch.Tensor]:
+        was_training = self.model.training
+        self.model.eval()
+        try:  # inference mode costs less per op than no_grad; the outputs are cloned out of it
+            with torch.inference_mode(), self._full_precision():
+                states_t, logp = self._sample_chunks(self._batch(images, states, instructions), generator,
+                                                     stochastic=temperature != 0.0)
+        finally:
+            self.model.train(was_training)
+        states_t, logp = states_t.clone(), logp.clone()
+        return {"actions": self._actions(states_t[:, -1]), "states": states_t, "logp": logp}
+
+    # ------------------------------------------------------------------ episodes
+
+    @torch.no_grad()
+    def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
+               group_offset: int = 0, temperature: float | None = None) -> Rollout:
+        """Whole episodes, G per context; `temperature=0` runs the ODE (evaluation)."""
+        G, n, K = group_size, len(contexts), self.num_steps
+
+        def act(images: np.ndarray, states: np.ndarray, instructions: list[str]):
+            out = self._act_arrays(images, states, instructions, generator, temperature)
+            return out["actions"], out
+
+        ep = run_episodes(self.env_factory, [dict(c) for c in contexts for _ in range(G)], act, self.max_chunks,
+                          self.cameras)
+        N, S, dev = len(ep.rows), len(ep.steps), self.device
+        units = torch.zeros(N, S, K, *self.chunk_shape, device=dev)
+        logp = torch.zeros(N, S, K, device=dev)
+        mask = torch.zeros(N, S, K, dtype=torch.bool, device=dev)
+        x_init: list[list[torch.Tensor]] = [[] for _ in range(N)]
+        for s, (idx, out, _) in enumerate(ep.steps):
+            rows = torch.as_tensor(idx, device=dev)
+            units[rows, s], logp[rows, s], mask[rows, s] = out["states"][:, 1:], out["logp"], True
+            for j, i in enumerate(idx.tolist()):
+                x_init[i].append(out["states"][j, 0])
+        extras = ep.extras(dev)
+        extras["x_init"] = [torch.stack(x) if x else torch.zeros(0, *self.chunk_shape, device=dev) for x in x_init]
+        return Rollout(
+            group_ids=torch.arange(group_offset, group_offset + n, device=dev).repeat_interleave(G),
+            units=units.view(N, S * K, *self.chunk_shape), logp_old=logp.view(N, S * K), mask=mask.view(N, S * K),
+            truncated=torch.as_tensor(~ep.done, device=dev), contexts=ep.rows, extras=extras)
+
+    def decode(self, rollout: Rollout) -> list[dict[str, Any]]:
+        obs, success, steps = rollout.extras["obs_images"], rollout.extras["success"], rollout.extras["env_steps"]
+        return [{"success": bool(success[i]), "frames": obs[i][:, 0].cpu().numpy(), "length": int(steps[i]),
+                 "instruction": rollout.contexts[i].get("instruction", "")} for i in range(len(rollout))]
+
+    # ------------------------------------------------------------------ teacher forcing
+
+    def _full_precision(self):
+        """Autocast off: a step's log-prob sums ~chunk*A terms scaled by 1/std, so bf16 velocities
+        that differ between the sampler's and the trainer's batch shapes would break the
+        sampled-equals-recomputed invariant. The expert is small; it runs in the weights' dtype."""
+        return torch.autocast(self.device.type, enabled=False)
+
+    def _rollout_logprobs(self, model: nn.Module, rollout: Rollout) -> torch.Tensor:
+        with self._full_precision():
+            return self._rollout_logprobs_fp(model, rollout)
+
+    def _rollout_logprobs_fp(self, model: nn.Module, rollout: Rollout) -> torch.Tensor:
+        N, K = len(rollout), self.num_steps
+        S = rollout.units.shape[1] // K
+        acted = rollout.mask.view(N, S, K).any(-1)
+        rows, steps = acted.nonzero(as_tuple=True)
+        out = torch.zeros(N, S, K, device=self.device)
+        if len(rows):
+            r, s = rows.tolist(), steps.tolist()
+            imgs = np.stack([rollout.extras["obs_images"][n][k].cpu().numpy() for n, k in zip(r, s)])
+            sts = np.stack([rollout.extras["obs_state"][n][k].cpu().numpy() for n, k in zip(r, s)])
+            instr = [rollout.contexts[n]["instruction"] for n in r]
+            x0 = torch.stack([rollout.extras["x_init"][n][k] for n, k in zip(r, s)]).to(self.device)
+            states = torch.cat([x0[:, None], rollout.units.view(N, S, K, *self.chunk_shape)[rows, steps]], 1)
+            pad, cache = self._prefix(model, self._batch(imgs, sts, instr))
+            out = out.index_put((rows, steps), self._step_logprobs(model, pad, cache, states))
+        return torch.where(rollout.mask, out.view(N, S * K), 0.0)
+
+    def _step_logprobs(self, model: nn.Module, pad: torch.Tensor, cache, states: torch.Tensor) -> torch.Tensor:
+        """[M, K] log-probs of the transitions in `states` [M, K+1, ...] given each row's prefix."""
+        M, K = states.shape[0], self.num_steps
+        ts = self.timesteps.to(states.device)
+        if self.batched_recompute:  # one denoise_step over all M*K transitions (sample-major rows)
+            cache.batch_repeat_interleave(K)
+            v_fn = self._velocity(model, pad.repeat_interleave(K, 0), cache)
+            x = states[:, :-1].reshape(M * K, *states.shape[2:])
+            t, dt = ts[:-1].repeat(M), (ts[1:] - ts[:-1]).repeat(M)
+            _, mean, std = sde_step(x, v_fn(x, t), t, dt, self.eta, noise=torch.zeros_like(x))
+            return gaussian_logprob(states[:, 1:].reshape(M * K, *states.shape[2:]), mean, std).view(M, K)
+        v_fn = self._velocity(model, pad, cache)
+        out = []
+        for k in range(K):
+            x = states[:, k]
+            _, mean, std = sde_step(x, v_fn(x, ts[k].expand(M)), float(ts[k]), float(ts[k + 1] - ts[k]), self.eta,
+                                    noise=torch.zeros_like(x))
+            out.append(gaussian_logprob(states[:, k + 1], mean, std))
+        return torch.stack(out, 1)
+
+    def logprobs(self, rollout: Rollout, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logp = self._rollout_logprobs(self.model, rollout)
+        # A Gaussian step's entropy does not depend on the policy's mean: report zeros (logged only).
+        return logp, (torch.zeros_like(logp) if with_entropy else None)
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        with self.reference_module() as ref:
+            return self._rollout_logprobs(ref, rollout)
+
+    # ------------------------------------------------------------------ SFT
+
+    def sft_loss(self, contexts: list[dict]) -> torch.Tensor:
+        """lerobot's flow-matching loss on expert chunks. Contexts hold "images" {camera: HxWx3} (or
+        lerobot's "observation.images.<camera>"), "state" (or "observation.state"), "instruction",
+        "actions" [chunk, A] (or "action") and optionally "action_is_pad" [chunk]."""
+        chunk = self.model.config.chunk_size
+        images, states, instr, acts, pads = [], [], [], [], []
+        for i, c in enumerate(contexts):
+            if "images" in c:
+                imgs = [_np(c["images"][cam]) for cam in self.cameras]
+            else:
+                imgs = [_image_hwc(c[f"observation.images.{cam}"]) for cam in self.cameras]
+            images.append(np.stack(imgs))
+            states.append(_np(c.get("state", c.get("observation.state"))).astype(np.float32))
+            instr.append(str(c.get("instruction", c.get("prompt", ""))))
+            a = torch.as_tensor(_np(c.get("actions", c.get("action"))), dtype=torch.float32).reshape(-1, self.action_dim)
+            pad = torch.as_tensor(_np(c["action_is_pad"]), dtype=torch.bool) if "action_is_pad" in c \
+                else torch.zeros(len(a), dtype=torch.bool)
+            extra = max(0, chunk - len(a))
+            acts.append(torch.cat([a, a[-1:].expand(extra, -1)])[:chunk])
+            pads.append(torch.cat([pad, torch.ones(extra, dtype=torch.bool)])[:chunk])
+        batch = self._batch(np.stack(images), np.stack(states), instr, actions=torch.stack(acts))
+        batch["action_is_pad"] = torch.stack(pads).to(self.device)
+        loss, _ = self.model.forward(batch)
+        return loss
