@@ -139,6 +139,23 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
+def token_logprobs(logits: torch.Tensor, units: torch.Tensor, suppress: torch.Tensor | None,
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `units` [N, T] under logits [N, T, V] with `suppress` ids removed (-inf)."""
+    if suppress is not None and suppress.numel():
+        logits = logits.index_fill(-1, suppress, float("-inf"))
+    lse = logits.logsumexp(-1)
+    logp = logits.gather(-1, units.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        probs = (logits - lse.unsqueeze(-1)).exp()
+        # Suppressed entries have probability 0; zero their -inf first so neither the value nor
+        # the gradient meets 0 * inf.
+        finite = torch.where(torch.isinf(logits), torch.zeros_like(logits), logits)
+        entropy = lse - (probs * finite).sum(-1)
+    return logp, entropy
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that ignore left padding: 0 at each row's first real token."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)

@@ -45,8 +45,14 @@ import torch
 from torch import nn
 
 from mmrl.policies.base import apply_lora
-from mmrl.policies.qwen_vl import QwenVLPolicy, VLStepper, _rope_owner, rope_positions, token_logprobs, vision_inputs
-from mmrl.rollout import Rollout
+from mmrl.policies.qwen_vl import (
+    QwenVLPolicy,
+    VLStepper,
+    _rope_owner,
+    rope_positions,
+    vision_inputs,
+)
+from mmrl.rollout import Rollout, token_logprobs
 
 ACTION_TOKEN_MODES = ("special", "vocab_tail")
 DEFAULT_PROMPT = "What action should the robot take to {instruction}?"
@@ -320,7 +326,11 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
             cfg_file = Path(m.path) / CONFIG_NAME
             saved = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         else:
-            from mmrl.tiny import build_qwen_vl_processor, build_tiny_qwen_vl, build_tokenizer
+            from mmrl.tiny import (
+                build_qwen_vl_processor,
+                build_tiny_qwen_vl,
+                build_tokenizer,
+            )
 
             n_bins = params.get("n_bins", 256)
             tokenizer = add_action_tokens(build_tokenizer(_corpus(task, params), vocab_size=m.tokenizer_vocab_size),

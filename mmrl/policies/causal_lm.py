@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mmrl.policies.base import PolicyBase, apply_lora
-from mmrl.rollout import Rollout, positions_from_mask, sample_tokens
+from mmrl.rollout import Rollout, positions_from_mask, sample_tokens, token_logprobs
 
 
 class CausalLMPolicy(PolicyBase):
@@ -33,6 +33,7 @@ class CausalLMPolicy(PolicyBase):
         special = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
         vocab = tokenizer.get_vocab()
         self.suppress_token_ids = [vocab[t] for t in special if t in vocab]
+        self._suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long)
         self.reference = None
         self._fast = None
         if fast_decode:
@@ -135,18 +136,7 @@ class CausalLMPolicy(PolicyBase):
             logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
                            use_cache=False, logits_to_keep=T + 1).logits[:, :-1].float()
         logits = logits / (self.temperature if temperature is None else temperature)
-        if self.suppress_token_ids:
-            logits = logits.index_fill(-1, torch.tensor(self.suppress_token_ids, device=logits.device), float("-inf"))
-        lse = logits.logsumexp(-1)
-        logp = logits.gather(-1, units.unsqueeze(-1)).squeeze(-1) - lse
-        entropy = None
-        if with_entropy:
-            probs = (logits - lse.unsqueeze(-1)).exp()
-            # Suppressed entries are -inf with probability 0; zero them before the product so
-            # neither the value nor its gradient sees 0 * inf.
-            finite = torch.where(torch.isinf(logits), torch.zeros_like(logits), logits)
-            entropy = lse - (probs * finite).sum(-1)
-        return logp, entropy
+        return token_logprobs(logits, units, self._suppress.to(logits.device), with_entropy)
 
     def logprobs(self, rollout: Rollout, with_entropy: bool = False):
         e = rollout.extras

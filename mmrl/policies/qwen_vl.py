@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from mmrl.policies.base import PolicyBase, apply_lora
-from mmrl.rollout import Rollout, sample_tokens
+from mmrl.rollout import Rollout, sample_tokens, token_logprobs
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 _VISION_TOKEN_CONFIG_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -80,23 +80,6 @@ def vision_inputs(pixel_values: list[torch.Tensor], image_grid_thw: list[torch.T
         return {}
     return {"pixel_values": torch.cat([pixel_values[i] for i in keep]),
             "image_grid_thw": torch.cat([image_grid_thw[i] for i in keep])}
-
-
-def token_logprobs(logits: torch.Tensor, units: torch.Tensor, suppress: torch.Tensor | None,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of `units` [N, T] under logits [N, T, V] with `suppress` ids removed (-inf)."""
-    if suppress is not None and suppress.numel():
-        logits = logits.index_fill(-1, suppress, float("-inf"))
-    lse = logits.logsumexp(-1)
-    logp = logits.gather(-1, units.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = None
-    if with_entropy:
-        probs = (logits - lse.unsqueeze(-1)).exp()
-        # Suppressed entries have probability 0; zero their -inf first so neither the value nor
-        # the gradient meets 0 * inf.
-        finite = torch.where(torch.isinf(logits), torch.zeros_like(logits), logits)
-        entropy = lse - (probs * finite).sum(-1)
-    return logp, entropy
 
 
 class VLStepper:
@@ -209,7 +192,11 @@ class QwenVLPolicy(PolicyBase):
         if m.source == "pretrained":
             model, processor = cls.load_pretrained(m.path, dtype)
         else:
-            from mmrl.tiny import build_qwen_vl_processor, build_tiny_qwen_vl, build_tokenizer
+            from mmrl.tiny import (
+                build_qwen_vl_processor,
+                build_tiny_qwen_vl,
+                build_tokenizer,
+            )
 
             corpus = task.corpus() if hasattr(task, "corpus") else _corpus_from_sft(task, params)
             tokenizer = build_tokenizer(corpus, vocab_size=m.tokenizer_vocab_size)
