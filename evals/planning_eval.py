@@ -140,7 +140,7 @@ def plot_em_pr(run_dir: str | Path, out: str | Path | None = None) -> Path | Non
 
 
 def plan_gif(context: dict[str, Any], plan: dict[str, Any], path: str | Path, cell_size: int = 16,
-             fps: float = 2.0) -> Path:
+             fps: float = 2.0, scale: int = 2) -> Path:
     """A GIF of one plan: generated frame | the state parsed from it | the optimal plan's state."""
     import imageio.v2 as imageio
 
@@ -161,6 +161,7 @@ def plan_gif(context: dict[str, Any], plan: dict[str, Any], path: str | Path, ce
             gen = blank
         tiles.append(np.concatenate([gen, gap, parsed, gap, ref], 1))
     tiles += [tiles[-1]] * 2  # linger on the last step
+    tiles = [np.repeat(np.repeat(t, scale, 0), scale, 1) for t in tiles]
     path = Path(path)
     imageio.mimsave(path, tiles, duration=1.0 / fps, loop=0)
     return path

@@ -46,3 +46,16 @@ def test_grpo_vs_trl_bench_smoke():
                 "mmrl_peak_rss_mib", "trl_peak_rss_mib"):
         assert result[key] > 0, key
     assert result["speedup"] == pytest.approx(result["trl_step_s"] / result["mmrl_step_s"], rel=0.01)
+
+
+def test_gpu_planning_bench_smoke(tmp_path):
+    """The GPU planning benchmark's whole path (build, SFT, GRPO, EM/PR eval) on a tiny CPU model."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_planning.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["env"] for r in result["results"]] == ["frozenlake", "maze"]
+    for r in result["results"]:
+        assert r["sft_steps"] >= 1 and r["rl_steps"] >= 1 and r["sample_tokens_per_s"] > 0
+        for stage in ("before", "after"):
+            assert 0.0 <= r[stage]["exact_match"] <= r[stage]["progress_rate"] + 1e-9 <= 1.0 + 1e-9

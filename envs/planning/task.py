@@ -37,7 +37,7 @@ from mmrl.envs import register_task
 
 from .grid import INF, Action, Cell, Layout, batch_step, canonical_task, pack_layouts
 from .render import render_state
-from .splits import load_paper_test_split, make_splits
+from .splits import PAPER_FILES, load_paper_test_split, make_splits
 
 ACTION_WORDS = {Action.LEFT: "left", Action.DOWN: "down", Action.RIGHT: "right", Action.UP: "up",
                 Action.PICK: "pick", Action.DROP: "drop"}
@@ -158,7 +158,7 @@ class PlanningTask:
         self.paper_split_path = paper_split
         gen = dict(generator_params or {})
         exclude: list[str] = []
-        if paper_split:  # never train on a paper test instance
+        if paper_split and self.env in PAPER_FILES:  # never train on a paper test instance
             exclude = [lay.key() for lay in self.paper_split().layouts]
         self.train: list[tuple[str, Layout]] = []
         tests: list[list[tuple[str, Layout]]] = []
@@ -282,6 +282,8 @@ class PlanningTask:
     def paper_split(self):
         if not self.paper_split_path:
             raise ValueError("task.params.paper_split is not set (a path to the paper's test metadata)")
+        if self.env not in PAPER_FILES:
+            raise ValueError(f"the paper's test split has no {self.env} records (only {', '.join(PAPER_FILES)})")
         return load_paper_test_split(self.paper_split_path, self.env)
 
     def ood_layouts(self) -> list[tuple[str, Layout]]:
@@ -298,8 +300,12 @@ class PlanningTask:
             return self.test
         if split == "ood":
             return self.ood_layouts()
-        if split == "paper":
-            return [(f"paper/{lay.level}/{i}", lay) for i, lay in enumerate(self.paper_split().layouts)]
+        if split == "paper":  # interleaved by level, like the others
+            by_level: dict[int, list[tuple[str, Layout]]] = {}
+            for i, lay in enumerate(self.paper_split().layouts):
+                by_level.setdefault(lay.level, []).append((f"paper/{lay.level}/{i}", lay))
+            groups = [by_level[k] for k in sorted(by_level)]
+            return [groups[j][i] for i in range(max(map(len, groups))) for j in range(len(groups)) if i < len(groups[j])]
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
 
     def rollout_plans(self, policy, n: int | None = None, split: str = "test", batch_size: int = 64
@@ -319,9 +325,13 @@ class PlanningTask:
         return contexts, plans
 
     def evaluate(self, policy, n: int, split: str = "test") -> dict[str, float]:
-        """EM, PR, success and the invalid share of failed plans, overall and per level."""
+        """EM, PR, success and the invalid share of failed plans, overall and per level.
+
+        A policy without `plan` (e.g. a one-shot text planner) gets no plan metrics here: {}."""
         from mmrl.evals.planning_metrics import evaluate_plans, evaluate_plans_by_level
 
+        if not hasattr(policy, "plan"):
+            return {}
         contexts, plans = self.rollout_plans(policy, n, split)
         layouts = [c["layout"] for c in contexts]
         states = [p["states"] for p in plans]

@@ -55,14 +55,15 @@ class VisualPlannerConfig:
     codebook_size: int = 128
     code_dim: int = 32
     vq_hidden: int = 128
-    vq_steps: int = 300
+    vq_steps: int = 1000
     vq_lr: float = 3e-3
     vq_batch_size: int = 256
     vq_layouts: int = 200  # train layouts whose reachable states are rendered for the VQ
     # the LM's vocabulary: codes, then specials, then one size token per code-grid side
     max_side: int = 32
-    # VOID-filled code slots of the input frame; None: the codes of the task's largest train frame
-    prompt_slots: int | None = None
+    # side (in codes) of the canvas frames are placed on, VOID around them; None: the largest
+    # train frame's side; 0: no canvas (each frame is just its own codes)
+    canvas: int | None = None
     fast_decode: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # free room for forks; ignored here
 
@@ -80,8 +81,8 @@ class VisualPlannerConfig:
                 raise ValueError(f"model.params.{name} must be >= 1, got {getattr(cfg, name)}")
         if cfg.vq_steps < 0:
             raise ValueError(f"model.params.vq_steps must be >= 0, got {cfg.vq_steps}")
-        if cfg.prompt_slots is not None and cfg.prompt_slots < 0:
-            raise ValueError(f"model.params.prompt_slots must be >= 0, got {cfg.prompt_slots}")
+        if cfg.canvas is not None and cfg.canvas < 0:
+            raise ValueError(f"model.params.canvas must be >= 0, got {cfg.canvas}")
         if cfg.patch_size is not None and cfg.patch_size < 1:
             raise ValueError(f"model.params.patch_size must be >= 1, got {cfg.patch_size}")
         return cfg
@@ -97,14 +98,19 @@ class VisualPlannerConfig:
 class Vocabulary:
     """Token ids: codes 0..K-1, then PAD, BOS, SEP, EOS, VOID, then `<h=k>` and `<w=k>` size tokens.
 
-    `prompt_slots`: the input frame's codes are followed by VOID up to this many slots, so a code
-    and its copy in the generated frame are always the same distance apart, whatever the grid
-    size (a tiny LM learns a fixed-offset copy far faster than a size-dependent one). 0: no fill.
+    `canvas`: frames are placed at the top left of a canvas x canvas grid of codes, VOID around
+    them, both in the prompt and in the generated frame. Then a code and its copy in the next
+    frame are always the same distance apart, and a row up or down is always the same offset,
+    whatever the grid size: a tiny LM learns that fixed geometry far faster than a size-dependent
+    one. A frame larger than the canvas uses its own size. 0: no canvas.
     """
 
     codebook_size: int
     max_side: int = 32
-    prompt_slots: int = 0
+    canvas: int = 0
+
+    def canvas_shape(self, h: int, w: int) -> tuple[int, int]:
+        return max(h, self.canvas), max(w, self.canvas)
 
     @property
     def pad(self) -> int:
@@ -142,11 +148,11 @@ class Vocabulary:
 
     @property
     def special_ids(self) -> list[int]:
-        """Every non-code token: never sampled as part of a frame."""
-        return list(range(self.codebook_size, self.size))
+        """Every token but the codes and VOID: never sampled as part of a frame."""
+        return [i for i in range(self.codebook_size, self.size) if i != self.void]
 
     def to_dict(self) -> dict[str, int]:
-        return {"codebook_size": self.codebook_size, "max_side": self.max_side, "prompt_slots": self.prompt_slots}
+        return {"codebook_size": self.codebook_size, "max_side": self.max_side, "canvas": self.canvas}
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2))

@@ -1,9 +1,12 @@
 """The visual planner policy (VPRL's visual mode): a causal LM over VQ image codes that sees the
 current state as a picture and draws the next state as a picture.
 
-Sequence: ``BOS <h=rows> <w=cols> codes(current frame) VOID.. SEP`` then exactly rows*cols codes
-of the next frame (fixed length; the mask is all ones, no EOS). VOID fills the input up to a fixed
-number of slots, so each code sits at the same distance from its copy at every grid size. Specials are suppressed while sampling
+Sequence: ``BOS <h=rows> <w=cols> canvas(current frame) SEP canvas(next frame)``, where
+canvas(frame) is the frame's rows x cols codes at the top left of a fixed canvas x canvas grid,
+VOID elsewhere, row-major. The generated part has a fixed length (the mask is all ones, no EOS).
+On a fixed canvas a code and its copy in the next frame are always the same distance apart and a
+move up is always the same offset, whatever the grid size. Decoding crops the frame's region; a
+VOID inside it makes the frame unreadable (grey patch), as a garbled image would be. Specials are suppressed while sampling
 and masked the same way when log-probs are recomputed, so sampler and trainer share one
 distribution. The LM is a Llama-architecture `LlamaForCausalLM` (tiny from a config for tests and
 the CPU demo, or `from_pretrained` of a local directory), the tokenizer a `VQTokenizer`. Both live
@@ -58,8 +61,8 @@ class VisualPlannerPolicy:
         self.temperature = temperature
         self.top_k = top_k
         self.top_p = top_p
-        # everything that is not a code, including any LM rows beyond the planner vocabulary
-        self.suppress_token_ids = list(range(vocab.codebook_size, lm.config.vocab_size))
+        # everything that is neither a code nor VOID, including any LM rows beyond the vocabulary
+        self.suppress_token_ids = vocab.special_ids + list(range(vocab.size, lm.config.vocab_size))
         self.reference: nn.Module | None = None
         self._fast = None
         if fast_decode:
@@ -97,11 +100,10 @@ class VisualPlannerPolicy:
             frames = [c["frame"] for c in ctx] + [c["target_frame"] for c in ctx]
         vq = train_vq(frames, steps=pc.vq_steps, config=pc.vq_config(cell), lr=pc.vq_lr,
                       batch_size=pc.vq_batch_size, seed=cfg.train.seed)
-        slots = pc.prompt_slots
-        if slots is None:  # the largest train frame's code count
-            shapes = {f.shape[:2] for f in frames}
-            slots = max(vq.grid_shape(s)[0] * vq.grid_shape(s)[1] for s in shapes)
-        vocab = Vocabulary(pc.codebook_size, pc.max_side, slots)
+        canvas = pc.canvas
+        if canvas is None:  # the largest train frame's side, in codes
+            canvas = max(max(vq.grid_shape(s)) for s in {f.shape[:2] for f in frames})
+        vocab = Vocabulary(pc.codebook_size, pc.max_side, canvas)
         lm = build_tiny_llama(vocab, seed=cfg.train.seed, **cfg.model.tiny).to(getattr(torch, cfg.model.dtype))
         policy = cls(lm, vq, vocab, **sampling)
         policy.model.to(device)
@@ -147,6 +149,13 @@ class VisualPlannerPolicy:
                 codes[i], grids[i] = enc[k], grid
         return codes, grids  # type: ignore[return-value]
 
+    def to_canvas(self, codes: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Codes [h*w] -> the canvas [ch*cw] (VOID outside the frame)."""
+        ch, cw = self.vocab.canvas_shape(h, w)
+        out = torch.full((ch, cw), self.vocab.void, dtype=torch.long, device=codes.device)
+        out[:h, :w] = codes.reshape(h, w)
+        return out.flatten()
+
     def prompts(self, frames: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-padded prompt ids and mask [B, L], and code grids [B, 2] of the input frames."""
         codes, grids = self.encode_frames(frames)
@@ -154,8 +163,7 @@ class VisualPlannerPolicy:
         rows = []
         for c, (h, w) in zip(codes, grids):
             head = torch.tensor([v.bos, v.height_token(h), v.width_token(w)], device=c.device)
-            fill = torch.full((max(0, v.prompt_slots - len(c)),), v.void, device=c.device)
-            rows.append(torch.cat([head, c, fill, torch.tensor([v.sep], device=c.device)]))
+            rows.append(torch.cat([head, self.to_canvas(c, h, w), torch.tensor([v.sep], device=c.device)]))
         L = max(len(r) for r in rows)
         ids = torch.full((len(rows), L), v.pad, dtype=torch.long, device=self.device)
         mask = torch.zeros((len(rows), L), dtype=torch.long, device=self.device)
@@ -165,14 +173,21 @@ class VisualPlannerPolicy:
         return ids, mask, torch.tensor(grids, dtype=torch.long, device=self.device).reshape(-1, 2)
 
     def decode_units(self, units: torch.Tensor, grids: torch.Tensor) -> list[np.ndarray]:
-        """Generated codes [N, T] (the first h*w of each row) -> uint8 frames."""
+        """Generated canvases [N, T] -> uint8 frames of each row's grid (h, w)."""
         frames: list[np.ndarray | None] = [None] * len(units)
-        g = grids.tolist()
         by_grid: dict[tuple[int, int], list[int]] = {}
-        for i, hw in enumerate(g):
+        for i, hw in enumerate(grids.tolist()):
             by_grid.setdefault(tuple(hw), []).append(i)
+        K, P = self.vocab.codebook_size, self.vq.config.patch_size
         for (h, w), idx in by_grid.items():
-            out = self.vq.decode(units[idx, : h * w], (h, w))
+            ch, cw = self.vocab.canvas_shape(h, w)
+            codes = units[idx, : ch * cw].reshape(len(idx), ch, cw)[:, :h, :w].reshape(len(idx), h * w)
+            bad = codes >= K  # VOID where a cell should be: no picture there
+            out = self.vq.decode(torch.where(bad, 0, codes), (h, w))
+            if bad.any():
+                cells = bad.reshape(len(idx), h, w).cpu().numpy()
+                grey = np.repeat(np.repeat(cells, P, axis=1), P, axis=2)
+                out[grey] = 128
             for k, i in enumerate(idx):
                 frames[i] = out[k]
         return frames  # type: ignore[return-value]
@@ -184,9 +199,9 @@ class VisualPlannerPolicy:
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, grids: torch.Tensor,
                   temperature: float, generator: torch.Generator | None):
-        """Exactly h*w codes per row. Rows with the same code count are sampled together
+        """Exactly one canvas of codes per row. Rows with the same canvas are sampled together
         (their prompts then need no padding); outputs are right-padded to the longest."""
-        n_codes = (grids[:, 0] * grids[:, 1]).tolist()
+        n_codes = [int(np.prod(self.vocab.canvas_shape(h, w))) for h, w in grids.tolist()]
         N, T = len(n_codes), max(n_codes)
         units = torch.zeros((N, T), dtype=torch.long, device=self.device)
         logp = torch.zeros((N, T), dtype=torch.float32, device=self.device)
@@ -261,9 +276,10 @@ class VisualPlannerPolicy:
     def sft_loss(self, contexts: list[dict]) -> torch.Tensor:
         """Mean next-frame code cross-entropy of `target_frame` given `frame`."""
         prompt_ids, prompt_mask, grids = self.prompts([c["frame"] for c in contexts])
-        targets, tgrids = self.encode_frames([c["target_frame"] for c in contexts])
+        codes, tgrids = self.encode_frames([c["target_frame"] for c in contexts])
         if [tuple(g) for g in grids.tolist()] != [tuple(g) for g in tgrids]:
             raise ValueError("a context's target_frame differs in size from its frame")
+        targets = [self.to_canvas(c, h, w) for c, (h, w) in zip(codes, tgrids)]
         T = max(len(t) for t in targets)
         units = torch.zeros((len(targets), T), dtype=torch.long, device=self.device)
         mask = torch.zeros((len(targets), T), dtype=torch.bool, device=self.device)

@@ -1,0 +1,334 @@
+"""VPRL visual mode: VQ tokenizer, the planning task, the vprl_progress reward and the visual planner."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mmrl.config import config_from_dict
+from mmrl.envs import make_task
+from mmrl.envs.planning import Layout, parse_batch_array, render_state
+from mmrl.envs.planning.frozenlake import from_text
+from mmrl.policies import build_policy
+from mmrl.policies.visual_planner import VQConfig, train_vq
+from mmrl.policies.visual_planner.modeling import VisualPlannerPolicy
+from mmrl.rewards import get_reward
+from mmrl.trainer import Trainer
+
+torch.set_num_threads(1)
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1}
+
+
+def make_cfg(tmp_path, **sections):
+    base = {
+        "model": {"policy": "visual_planner", "tiny": TINY,
+                  "params": {"codebook_size": 32, "vq_steps": 600, "vq_layouts": 30, "vq_hidden": 64}},
+        "task": {"name": "planning", "params": {"env": "frozenlake", "sizes": [3, 4], "n_train": 40, "n_test": 6}},
+        "rewards": [{"name": "vprl_progress"}],
+        "sampling": {"group_size": 4, "max_new_tokens": 16},
+        "sft": {"steps": 2, "batch_size": 8},
+        "train": {"steps": 2, "prompts_per_step": 4, "eval_every": 0, "eval_size": 6, "progress": False,
+                  "output_dir": str(tmp_path / "run"), "seed": 0, "device": "cpu"},
+    }
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
+    return config_from_dict(base)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    cfg = make_cfg(tmp_path_factory.mktemp("vp"))
+    task = make_task("planning", seed=0, **cfg.task.params)
+    return cfg, task, build_policy(cfg, task, torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+def test_task_contexts_and_targets():
+    task = make_task("planning", seed=0, env="frozenlake", sizes=[3, 4], n_train=30, n_test=5)
+    keys = {"layout", "state", "frame", "prompt", "target_state", "target_frame", "target_actions", "target",
+            "level", "optimal_length", "env", "layout_id"}
+    for c in task.next_batch(6) + task.eval_batch(4) + task.sft_batch(6, np.random.default_rng(0)):
+        assert keys <= set(c)
+        lay: Layout = c["layout"]
+        assert c["frame"].dtype == np.uint8 and c["frame"].shape == (lay.shape[0] * 16, lay.shape[1] * 16, 3)
+        assert (parse_batch_array(c["frame"][None], [lay])[0] == c["state"]).all()
+        assert (parse_batch_array(c["target_frame"][None], [lay])[0] == c["target_state"]).all()
+        assert len(c["target_actions"]) == c["optimal_length"] == lay.dist_of(c["state"])
+        assert not lay.is_terminal(c["state"])
+    # eval contexts start at the start and step optimally; layouts interleave sizes
+    ev = task.eval_batch(4)
+    assert [c["level"] for c in ev] == [3, 4, 3, 4]
+    for c in ev:
+        assert (c["state"] == c["layout"].start_state()).all()
+        assert c["layout"].dist_of(c["target_state"]) == c["optimal_length"] - 1
+    # random-walk SFT targets are valid moves (one cell, never a hole), not always optimal
+    from mmrl.rewards.planning import step_rewards
+
+    ctx = task.sft_batch(200, np.random.default_rng(1))
+    r = step_rewards(np.stack([c["state"] for c in ctx]), np.stack([c["target_state"] for c in ctx]),
+                     [c["layout"] for c in ctx])
+    assert (r >= 0).all() and (r == 0).any() and (r == 1).any()
+    opt = make_task("planning", seed=0, env="frozenlake", sizes=[3, 4], n_train=30, n_test=5, sft_mode="optimal")
+    ctx = opt.sft_batch(100, np.random.default_rng(1))
+    for c in ctx:
+        assert c["layout"].dist_of(c["target_state"]) == c["layout"].dist_of(c["state"]) - 1
+
+
+def test_task_resume_and_other_envs():
+    a = make_task("planning", seed=3, env="maze", sizes=[3], n_train=20, n_test=3)
+    a.next_batch(5)
+    state = json.loads(json.dumps(a.state_dict()))
+    expect = a.next_batch(4)
+    b = make_task("planning", seed=3, env="maze", sizes=[3], n_train=20, n_test=3)
+    b.load_state_dict(state)
+    got = b.next_batch(4)
+    assert [c["layout_id"] for c in got] == [c["layout_id"] for c in expect]
+    assert all((x["state"] == y["state"]).all() for x, y in zip(got, expect))
+    mb = make_task("planning", seed=0, env="minibehavior", sizes=[4], n_train=10, n_test=2)
+    c = mb.sft_batch(3, np.random.default_rng(0))[0]
+    assert set(c["target_actions"]) <= {"up", "down", "left", "right", "pick", "drop"}
+    assert "pick" in mb.eval_batch(1)[0]["target_actions"]
+    assert len(mb.corpus()) > 3
+
+
+def test_task_errors_name_bad_values():
+    with pytest.raises(ValueError, match="sft_mode"):
+        make_task("planning", seed=0, sft_mode="greedy", n_train=2, n_test=1)
+    with pytest.raises(ValueError, match="cell_size"):
+        make_task("planning", seed=0, env="maze", cell_size=8, n_train=2, n_test=1)
+    with pytest.raises(ValueError, match="unknown planning task"):
+        make_task("planning", seed=0, env="sokoban", n_train=2, n_test=1)
+
+
+def test_evaluate_with_an_oracle_planner():
+    """task.evaluate on plans that follow / break the optimal path (duck-typed `plan`)."""
+    from mmrl.envs.planning import shortest_path
+
+    class Oracle:
+        def __init__(self, broken: bool):
+            self.broken = broken
+
+        def plan(self, contexts, max_steps):
+            out = []
+            for c in contexts:
+                path = shortest_path(c["layout"], c["state"])
+                if self.broken:
+                    path = np.concatenate([path[:1], path[:1]])  # a no-op: invalid
+                out.append({"states": path, "frames": []})
+            return out
+
+    task = make_task("planning", seed=0, env="frozenlake", sizes=[3, 4], n_train=5, n_test=5)
+    good = task.evaluate(Oracle(False), 10)
+    assert good["exact_match"] == good["progress_rate"] == good["success_rate"] == 1.0
+    assert good["exact_match_L3"] == good["exact_match_L4"] == 1.0
+    bad = task.evaluate(Oracle(True), 10)
+    assert bad["exact_match"] == bad["progress_rate"] == 0.0 and bad["invalid_share_of_failures"] == 1.0
+
+
+# ----------------------------------------------------------------------------- the reward
+
+
+def test_vprl_progress_reward_on_hand_made_frames():
+    lay = from_text(["SFF", "FHF", "FFG"])
+    start = lay.start_state()
+    ctx = {"layout": lay, "state": start}
+
+    def frame(rc):
+        return render_state(lay, np.array([rc[0], rc[1], 0, -1, -1]), 16)
+
+    noise = np.random.default_rng(0).integers(0, 256, frame((0, 0)).shape, dtype=np.uint8)
+    outputs = [frame((0, 1)),  # right: progress
+               frame((1, 0)),  # down: progress too (both are shortest)
+               frame((0, 0)),  # nothing moved: invalid
+               frame((0, 2)),  # two cells: teleport
+               noise]  # unparseable
+    r = get_reward("vprl_progress")([ctx] * len(outputs), outputs)
+    assert r.tolist() == [1.0, 1.0, -5.0, -5.0, -5.0]
+    # from (0, 1): back left is valid without progress, down into the hole is invalid
+    ctx2 = {"layout": lay, "state": np.array([0, 1, 0, -1, -1])}
+    r2 = get_reward("vprl_progress")([ctx2] * 3, [frame((0, 0)), frame((1, 1)), frame((0, 2))])
+    assert r2.tolist() == [0.0, -5.0, 1.0]
+    assert r2.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- the VQ tokenizer
+
+
+@pytest.mark.parametrize("env,sizes", [("frozenlake", [3, 4, 5]), ("maze", [3, 4]), ("minibehavior", [4])])
+def test_vq_round_trip_through_the_parser(env, sizes, tmp_path):
+    task = make_task("planning", seed=0, env=env, sizes=sizes, n_train=60, n_test=4)
+    vq = train_vq(task.tokenizer_frames(60), steps=600, config=VQConfig(patch_size=16, codebook_size=96))
+    bad = total = 0
+    for lid, lay in task.test:
+        states = task.graph(lid, lay).states
+        frames = np.stack([task.render(lay, s) for s in states])
+        codes = vq.encode(frames)
+        assert codes.shape == (len(frames), lay.shape[0] * lay.shape[1])
+        parsed = parse_batch_array(vq.decode(codes, vq.grid_shape(frames.shape[1:])), [lay] * len(frames))
+        bad += int((parsed != states).any(1).sum())
+        total += len(frames)
+    assert bad <= 0.02 * total, f"{bad}/{total} held-out states lost in the VQ round trip"
+    vq.save_pretrained(tmp_path / "vq")
+    again = type(vq).from_pretrained(tmp_path / "vq")
+    assert torch.equal(again.encode(frames), vq.encode(frames))
+    with pytest.raises(ValueError, match="multiple of the VQ patch size"):
+        vq.encode(np.zeros((1, 20, 20, 3), np.uint8))
+
+
+# ----------------------------------------------------------------------------- the policy
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_sampler_matches_teacher_forced_logprobs(built, fast):
+    cfg, task, policy = built
+    saved = policy._fast
+    if not fast:
+        policy._fast = None
+    try:
+        ctx = task.eval_batch(2) + task.next_batch(2)  # mixed 3x3 and 4x4 frames in one batch
+        gen = torch.Generator().manual_seed(0)
+        for temp in (1.0, 0.7):
+            ro = policy.sample(ctx, 3, generator=gen, temperature=temp)
+            assert policy.vocab.canvas == 4  # the largest train grid, one code per cell
+            assert ro.mask.all() and ro.units.shape[1] == 16 and not ro.truncated.any()
+            assert ro.units.max() <= policy.vocab.void  # only codes and VOID are drawn
+            policy.temperature = temp
+            with torch.no_grad():
+                lp, ent = policy.logprobs(ro, with_entropy=True)
+            policy.temperature = cfg.sampling.temperature
+            diff = torch.where(ro.mask, lp - ro.logp_old, 0.0).abs().max().item()
+            assert diff < 1e-5, diff
+            assert torch.isfinite(ent[ro.mask]).all()
+        frames = policy.decode(ro)
+        assert [f.shape for f in frames] == [c["frame"].shape for c in ro.contexts]
+        assert ro.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    finally:
+        policy._fast = saved
+
+
+def test_canvas_layout_and_void_decoding(built):
+    """Frames sit at the top left of a fixed canvas (VOID around them); a VOID inside the frame's
+    region decodes to a grey patch the parser rejects, codes outside the region are cropped."""
+    cfg, task, policy = built
+    c3 = task.eval_batch(1)[0]  # a 3x3 layout on the 4x4 canvas
+    ids, mask, grids = policy.prompts([c3["frame"]])
+    v = policy.vocab
+    assert ids[0, :3].tolist() == [v.bos, v.height_token(3), v.width_token(3)] and ids[0, -1] == v.sep
+    canvas = ids[0, 3:-1].reshape(4, 4)
+    assert (canvas[3] == v.void).all() and (canvas[:, 3] == v.void).all() and (canvas[:3, :3] < v.codebook_size).all()
+    units = canvas.flatten()[None].clone()
+    frame = policy.decode_units(units, grids)[0]
+    assert (parse_batch_array(frame[None], [c3["layout"]])[0] == c3["state"]).all()
+    units[0, 15] = 0  # a code outside the frame: cropped away
+    assert (parse_batch_array(policy.decode_units(units, grids)[0][None], [c3["layout"]])[0] == c3["state"]).all()
+    units[0, 0] = v.void  # VOID inside the frame: unreadable
+    assert parse_batch_array(policy.decode_units(units, grids)[0][None], [c3["layout"]])[0][0] == -1
+
+
+def test_closed_loop_plan_and_evaluate_untrained(built):
+    cfg, task, policy = built
+    ctx = task.eval_batch(4)
+    plans = policy.plan(ctx, [c["optimal_length"] + 2 for c in ctx])
+    assert len(plans) == 4
+    for c, p in zip(ctx, plans):
+        assert p["states"].shape[1] == 5 and (p["states"][0] == c["state"]).all()
+        assert len(p["frames"]) == len(p["states"]) - 1 >= 1
+        assert p["stop"] in ("goal", "invalid", "unparseable", "max_steps")
+        assert all(f.shape == c["frame"].shape and f.dtype == np.uint8 for f in p["frames"])
+    m = task.evaluate(policy, 6)
+    for k in ("exact_match", "progress_rate", "success_rate", "invalid_share_of_failures"):
+        assert 0.0 <= m[k] <= 1.0
+    assert "exact_match_L3" in m and "progress_rate_L4" in m
+
+
+def test_sft_then_grpo_through_the_trainer(tmp_path):
+    cfg = make_cfg(tmp_path, algo={"loss": "grpo", "beta": 0.01})
+    task = make_task("planning", seed=0, **cfg.task.params)
+    policy = build_policy(cfg, task, torch.device("cpu"))
+    before = {k: v.clone() for k, v in policy.model.lm.state_dict().items()}
+    vq_before = {k: v.clone() for k, v in policy.model.vq.state_dict().items()}
+    results = Trainer(cfg, policy, task).train(resume=False)
+    after = policy.model.lm.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(vq_before[k], v) for k, v in policy.model.vq.state_dict().items())  # VQ frozen
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    sft_rows = [r for r in rows if "sft/loss" in r]
+    rl_rows = [r for r in rows if "reward/total" in r]
+    assert len(sft_rows) == 2 and len(rl_rows) == 2
+    for r in sft_rows + rl_rows:
+        assert all(np.isfinite(v) for v in r.values() if isinstance(v, float))
+    assert "eval/exact_match" in results["eval_after"] and "eval/vprl_progress" in results["eval_after"]
+    assert (tmp_path / "run" / "final" / "vq" / "vq.safetensors").is_file()
+
+
+def test_from_pretrained_round_trip(built, tmp_path):
+    cfg, task, policy = built
+    policy.save(tmp_path / "planner")
+    again = VisualPlannerPolicy.from_pretrained(tmp_path / "planner", temperature=policy.temperature)
+    ro = policy.sample(task.eval_batch(3), 2, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, _ = policy.logprobs(ro)
+        b, _ = again.logprobs(ro)
+    assert torch.equal(a, b)
+    assert again.vocab == policy.vocab
+    frames = [c["frame"] for c in ro.contexts]
+    assert all(torch.equal(x, y) for x, y in zip(again.encode_frames(frames)[0], policy.encode_frames(frames)[0]))
+    # and through the config path (model.source: pretrained)
+    cfg2 = make_cfg(tmp_path, model={"source": "pretrained", "path": str(tmp_path / "planner")})
+    third = build_policy(cfg2, task, torch.device("cpu"))
+    with torch.no_grad():
+        assert torch.equal(third.logprobs(ro)[0], a)
+    with pytest.raises(FileNotFoundError, match="not a saved visual planner"):
+        VisualPlannerPolicy.from_pretrained(tmp_path)
+
+
+def test_planning_eval_report(built, tmp_path):
+    from mmrl.evals.planning_eval import table1, write_planner_report
+
+    cfg, task, policy = built
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "eval/exact_match": 0.1 * s, "eval/progress_rate": 0.2 * s, "eval/success_rate": 0.1 * s,
+             "eval/exact_match_L3": 0.1} for s in (0, 1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = write_planner_report(policy, task, tmp_path / "eval", "stage1", splits=("test", "ood", "paper"), n=4,
+                               run_dir=run, n_gifs=2)
+    assert rec["env"] == "frozenlake" and set(rec["splits"]) == {"test", "ood", "paper"}
+    assert "skipped" in rec["splits"]["ood"] and "skipped" in rec["splits"]["paper"]
+    test = rec["splits"]["test"]
+    assert test["n"] == 4 and set(test["by_level"]) == {"3", "4"} and 0 <= test["exact_match"] <= 1
+    for name in ("planning_eval.json", "planning_eval.md", "em_pr.png"):
+        assert (tmp_path / "eval" / name).is_file()
+    assert len(list((tmp_path / "eval" / "plans").glob("*.gif"))) >= 1
+    other = {"method": "vpft", "env": "maze", "splits": {"test": {"exact_match": 0.5, "progress_rate": 0.75}}}
+    table = table1([rec, other]).splitlines()
+    assert table[0].startswith("| method | FrozenLake EM | FrozenLake PR | Maze EM")
+    assert table[3] == "| vpft | — | — | 50.0 | 75.0 | — | — |"
+
+
+def test_paper_split_evaluation(built):
+    """The paper's own FrozenLake test split (from ../shared/vprl), when it is there."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "vprl"
+    if not (path / "vprl_frozenlake_test_meta.json").is_file():
+        pytest.skip(f"paper test metadata not found in {path}")
+    cfg, task, policy = built
+    paper = make_task("planning", seed=0, env="frozenlake", sizes=[3, 4], n_train=20, n_test=4,
+                      paper_split=str(path))
+    train_keys = {lay.key() for _, lay in paper.train}
+    assert not train_keys & {lay.key() for lay in paper.paper_split().layouts}
+    m = paper.evaluate(policy, 8, split="paper")
+    assert m["n"] == 8 and 0 <= m["progress_rate"] <= 1
+
+
+def test_bad_policy_params_are_named(tmp_path):
+    cfg = make_cfg(tmp_path, model={"params": {"codebok_size": 3}})
+    task = make_task("planning", seed=0, **cfg.task.params)
+    with pytest.raises(ValueError, match="codebok_size"):
+        build_policy(cfg, task, torch.device("cpu"))
