@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
-
 from mmrl.evals.planning_metrics import evaluate_plans, evaluate_plans_by_level
 
 ENV_TITLES = {"frozenlake": "FrozenLake", "maze": "Maze", "minibehavior": "MiniBehavior"}
@@ -143,7 +143,6 @@ def plan_gif(context: dict[str, Any], plan: dict[str, Any], path: str | Path, ce
              fps: float = 2.0, scale: int = 2) -> Path:
     """A GIF of one plan: generated frame | the state parsed from it | the optimal plan's state."""
     import imageio.v2 as imageio
-
     from mmrl.envs.planning import render_state, shortest_path
 
     lay = context["layout"]

@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 import torch
-
-from mmrl.config import config_from_dict
 from mmrl.envs import make_task
 from mmrl.envs.planning import Layout, parse_batch_array, render_state
 from mmrl.envs.planning.frozenlake import from_text
+
+from mmrl.config import config_from_dict
 from mmrl.policies import build_policy
 from mmrl.policies.visual_planner import VQConfig, train_vq
 from mmrl.policies.visual_planner.modeling import VisualPlannerPolicy
@@ -214,9 +214,9 @@ def test_sampler_matches_teacher_forced_logprobs(built, fast):
 def test_canvas_layout_and_void_decoding(built):
     """Frames sit at the top left of a fixed canvas (VOID around them); a VOID inside the frame's
     region decodes to a grey patch the parser rejects, codes outside the region are cropped."""
-    cfg, task, policy = built
+    _, task, policy = built
     c3 = task.eval_batch(1)[0]  # a 3x3 layout on the 4x4 canvas
-    ids, mask, grids = policy.prompts([c3["frame"]])
+    ids, _, grids = policy.prompts([c3["frame"]])
     v = policy.vocab
     assert ids[0, :3].tolist() == [v.bos, v.height_token(3), v.width_token(3)] and ids[0, -1] == v.sep
     canvas = ids[0, 3:-1].reshape(4, 4)
@@ -231,7 +231,7 @@ def test_canvas_layout_and_void_decoding(built):
 
 
 def test_closed_loop_plan_and_evaluate_untrained(built):
-    cfg, task, policy = built
+    _, task, policy = built
     ctx = task.eval_batch(4)
     plans = policy.plan(ctx, [c["optimal_length"] + 2 for c in ctx])
     assert len(plans) == 4
@@ -267,7 +267,7 @@ def test_sft_then_grpo_through_the_trainer(tmp_path):
 
 
 def test_from_pretrained_round_trip(built, tmp_path):
-    cfg, task, policy = built
+    _, task, policy = built
     policy.save(tmp_path / "planner")
     again = VisualPlannerPolicy.from_pretrained(tmp_path / "planner", temperature=policy.temperature)
     ro = policy.sample(task.eval_batch(3), 2, generator=torch.Generator().manual_seed(1))
@@ -290,7 +290,7 @@ def test_from_pretrained_round_trip(built, tmp_path):
 def test_planning_eval_report(built, tmp_path):
     from mmrl.evals.planning_eval import table1, write_planner_report
 
-    cfg, task, policy = built
+    _, task, policy = built
     run = tmp_path / "run"
     run.mkdir()
     rows = [{"step": s, "eval/exact_match": 0.1 * s, "eval/progress_rate": 0.2 * s, "eval/success_rate": 0.1 * s,
@@ -318,7 +318,7 @@ def test_paper_split_evaluation(built):
     path = Path(__file__).resolve().parents[2] / "shared" / "vprl"
     if not (path / "vprl_frozenlake_test_meta.json").is_file():
         pytest.skip(f"paper test metadata not found in {path}")
-    cfg, task, policy = built
+    _, _, policy = built
     paper = make_task("planning", seed=0, env="frozenlake", sizes=[3, 4], n_train=20, n_test=4,
                       paper_split=str(path))
     train_keys = {lay.key() for _, lay in paper.train}

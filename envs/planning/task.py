@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-
 from mmrl.envs import register_task
 
 from .grid import INF, Action, Cell, Layout, batch_step, canonical_task, pack_layouts
@@ -86,7 +85,6 @@ def build_state_graph(layout: Layout) -> StateGraph:
     n_act = layout.n_actions
     index: dict[bytes, int] = {}
     states: list[np.ndarray] = []
-    rows: list[np.ndarray] = []
 
     def add(s: np.ndarray) -> int:
         key = s.tobytes()
@@ -284,7 +282,11 @@ class PlanningTask:
             raise ValueError("task.params.paper_split is not set (a path to the paper's test metadata)")
         if self.env not in PAPER_FILES:
             raise ValueError(f"the paper's test split has no {self.env} records (only {', '.join(PAPER_FILES)})")
-        return load_paper_test_split(self.paper_split_path, self.env)
+        try:
+            return load_paper_test_split(self.paper_split_path, self.env)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"task.params.paper_split: {exc} (point it at the folder holding "
+                                    "vprl_*_test_meta.json, or set it to null)") from None
 
     def ood_layouts(self) -> list[tuple[str, Layout]]:
         if self._ood is None:

@@ -7,7 +7,7 @@
 from .configuration import VisualPlannerConfig, Vocabulary, VQConfig
 from .vq import VQTokenizer, train_vq
 
-__all__ = ["VisualPlannerConfig", "Vocabulary", "VQConfig", "VQTokenizer", "train_vq", "VisualPlannerPolicy"]
+__all__ = ["VQConfig", "VQTokenizer", "VisualPlannerConfig", "VisualPlannerPolicy", "Vocabulary", "train_vq"]
 
 
 def __getattr__(name: str):

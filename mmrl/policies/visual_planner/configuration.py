@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import Any
 
 # Llama sizes of the tiny demo / test model (overridable through `model.tiny`).
-TINY_LLAMA: dict[str, Any] = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-)
+TINY_LLAMA: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
 
 
 @dataclass

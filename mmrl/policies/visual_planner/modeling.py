@@ -19,8 +19,9 @@ frame is decoded, parsed for the metrics, and fed back re-encoded as the next in
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,8 +89,8 @@ class VisualPlannerPolicy:
     def from_config(cls, cfg, task, device="cpu") -> VisualPlannerPolicy:
         pc = VisualPlannerConfig.from_params(cfg.model.params)
         s = cfg.sampling
-        sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                        fast_decode=pc.fast_decode and cfg.model.fast_decode)
+        sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                    "fast_decode": pc.fast_decode and cfg.model.fast_decode}
         if cfg.model.source == "pretrained":
             return cls.from_pretrained(cfg.model.path, device=device, **sampling)
         cell = int(getattr(task, "cell_size", 16))
@@ -206,8 +207,9 @@ class VisualPlannerPolicy:
         units = torch.zeros((N, T), dtype=torch.long, device=self.device)
         logp = torch.zeros((N, T), dtype=torch.float32, device=self.device)
         mask = torch.zeros((N, T), dtype=torch.bool, device=self.device)
-        kwargs = dict(eos_token_ids=[self.vocab.eos], pad_token_id=0, temperature=temperature, top_k=self.top_k,
-                      top_p=self.top_p, suppress_token_ids=self.suppress_token_ids, generator=generator)
+        kwargs = {"eos_token_ids": [self.vocab.eos], "pad_token_id": 0, "temperature": temperature,
+                  "top_k": self.top_k, "top_p": self.top_p, "suppress_token_ids": self.suppress_token_ids,
+                  "generator": generator}
         was_training = self.model.training
         self.model.eval()
         for n in sorted(set(n_codes)):

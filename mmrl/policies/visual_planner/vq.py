@@ -15,9 +15,9 @@ maze corner) up-weighted; `train_vq` does that, which makes ~1000 steps (seconds
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
