@@ -119,6 +119,12 @@ def records_from_results(path: str | Path) -> list[dict[str, Any]]:
             if not cols:
                 cols = {"all": v}
             modes[mode] = {"columns": cols, "average": v, "episode_len": {"all": ev.get(f"eval/{mode}/episode_len")}}
+        # A single-task run without per-task greedy keys: name its column after the sampled one.
+        names = {c for m in modes.values() for c in m["columns"] if c != "all"}
+        if len(names) == 1:
+            for m in modes.values():
+                if list(m["columns"]) == ["all"]:
+                    m["columns"] = {next(iter(names)): m["columns"]["all"]}
         out.append({"method": label, "step": ev.get("step"), "modes": modes})
     return out
 
