@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.rollout import Rollout, positions_from_mask, sample_tokens
+from mmrl.rollout import Rollout, positions_from_mask, sample_tokens, token_logprobs
 
 from .configuration import TINY_LLAMA, VisualPlannerConfig, Vocabulary
 from .vq import VQTokenizer, train_vq
@@ -254,15 +254,7 @@ class VisualPlannerPolicy:
                     logits_to_keep=T + 1).logits[:, :-1].float()
         logits = logits / (self.temperature if temperature is None else temperature)
         suppress = torch.tensor(self.suppress_token_ids, device=logits.device)
-        logits = logits.index_fill(-1, suppress, float("-inf"))
-        lse = logits.logsumexp(-1)
-        logp = logits.gather(-1, units.unsqueeze(-1)).squeeze(-1) - lse
-        entropy = None
-        if with_entropy:
-            probs = (logits - lse.unsqueeze(-1)).exp()
-            finite = torch.where(torch.isinf(logits), torch.zeros_like(logits), logits)  # no 0 * inf
-            entropy = lse - (probs * finite).sum(-1)
-        return logp, entropy
+        return token_logprobs(logits, units, suppress, with_entropy)
 
     def logprobs(self, rollout: Rollout, with_entropy: bool = False):
         e = rollout.extras
