@@ -4,8 +4,10 @@ Both sides get the same model weights (built once, saved to disk, loaded by each
 locally built tokenizer, the same prompts, 8 completions per step (2 prompts x 4 generations),
 the same completion budget, temperature 1, beta 0, one update per batch, one CPU thread. Each
 side runs in its own subprocess so its peak RSS is its own. The last line is JSON:
-`mmrl_step_s`, `trl_step_s` (per-step medians after warm-up), `speedup` (TRL / mmrl), the
-generated tokens per step of each, and the peak RSS of each in MiB.
+`mmrl_step_s`, `trl_step_s` (per-step wall-clock medians after warm-up), `speedup` (TRL / mmrl),
+the same three for process CPU time per step (`*_cpu_step_s`, `cpu_speedup`: what each side
+costs, nearly blind to other jobs on the machine), the generated tokens per step of each, the
+peak RSS of each in MiB, and the 1-minute load average at the end.
 
     python bench/grpo_vs_trl.py            # the measured run
     python bench/grpo_vs_trl.py --smoke    # a few steps, for CI
@@ -59,11 +61,14 @@ def run_trl(model_dir: str, steps: int, max_tokens: int) -> dict:
     class Timer(TrainerCallback):
         times: list[float] = []
 
+        cpu_times: list[float] = []
+
         def on_step_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
             self.times.append(time.perf_counter() - self.t0)
+            self.cpu_times.append(time.process_time() - self.c0)
 
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, num_generations=4,
@@ -76,7 +81,7 @@ def run_trl(model_dir: str, steps: int, max_tokens: int) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[timer])
     trainer.train()
-    return {"step_times": timer.times, "gen_tokens": gen_tokens}
+    return {"step_times": timer.times, "cpu_step_times": timer.cpu_times, "gen_tokens": gen_tokens}
 
 
 def run_mmrl(model_dir: str, steps: int, max_tokens: int) -> dict:
@@ -106,13 +111,14 @@ def run_mmrl(model_dir: str, steps: int, max_tokens: int) -> dict:
     })
     task = make_task("arithmetic", seed=0, max_operand=40)
     trainer = Trainer(cfg, build_policy(cfg, task, torch.device("cpu")), task)
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         rollout_metrics = trainer.train_step()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
         gen_tokens.append(int(round(rollout_metrics["len/mean"] * 8)))
-    return {"step_times": times, "gen_tokens": gen_tokens}
+    return {"step_times": times, "cpu_step_times": cpu_times, "gen_tokens": gen_tokens}
 
 
 def child(which: str, model_dir: str, steps: int, max_tokens: int) -> None:
@@ -143,8 +149,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         build_model(Path(d), args.hidden, args.layers)
         # Alternate the two sides over rounds, so load from anything else on the machine hits both.
-        res = {"trl": {"step_times": [], "gen_tokens": [], "peak_rss_mib": 0.0},
-               "mmrl": {"step_times": [], "gen_tokens": [], "peak_rss_mib": 0.0}}
+        res = {side: {"step_times": [], "cpu_step_times": [], "gen_tokens": [], "peak_rss_mib": 0.0}
+               for side in ("trl", "mmrl")}
         for _ in range(args.rounds):
             for which in ("trl", "mmrl"):
                 cmd = [sys.executable, __file__, "--child", which, "--model-dir", d, "--steps", str(args.steps),
@@ -156,21 +162,30 @@ def main() -> None:
                     raise SystemExit(f"{which} run failed (exit {proc.returncode})")
                 one = json.loads(line[-1][len("RESULT "):])
                 res[which]["step_times"] += one["step_times"][args.warmup:]
+                res[which]["cpu_step_times"] += one["cpu_step_times"][args.warmup:]
                 res[which]["gen_tokens"] += one["gen_tokens"][args.warmup:]
                 res[which]["peak_rss_mib"] = max(res[which]["peak_rss_mib"], one["peak_rss_mib"])
 
     trl_s, mmrl_s = statistics.median(res["trl"]["step_times"]), statistics.median(res["mmrl"]["step_times"])
+    # Process CPU time per step: what each side costs, nearly blind to other jobs on the machine
+    # (wall time under background load is the noisier figure; both are reported).
+    trl_cpu, mmrl_cpu = (statistics.median(res[side]["cpu_step_times"]) for side in ("trl", "mmrl"))
     summary = {
         "mmrl_step_s": round(mmrl_s, 5),
         "trl_step_s": round(trl_s, 5),
         "speedup": round(trl_s / mmrl_s, 3),
+        "mmrl_cpu_step_s": round(mmrl_cpu, 5),
+        "trl_cpu_step_s": round(trl_cpu, 5),
+        "cpu_speedup": round(trl_cpu / mmrl_cpu, 3),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
         "mmrl_tokens_per_step": statistics.mean(res["mmrl"]["gen_tokens"]),
         "trl_tokens_per_step": statistics.mean(res["trl"]["gen_tokens"]),
         "mmrl_peak_rss_mib": round(res["mmrl"]["peak_rss_mib"], 1),
         "trl_peak_rss_mib": round(res["trl"]["peak_rss_mib"], 1),
         "steps": args.steps, "rounds": args.rounds, "completions_per_step": 8, "max_new_tokens": args.max_tokens,
     }
-    print(f"mmrl {mmrl_s * 1000:.1f} ms/step vs TRL {trl_s * 1000:.1f} ms/step: {summary['speedup']:.2f}x")
+    print(f"mmrl {mmrl_s * 1000:.1f} ms/step vs TRL {trl_s * 1000:.1f} ms/step: {summary['speedup']:.2f}x "
+          f"(CPU time per step: {mmrl_cpu * 1000:.1f} vs {trl_cpu * 1000:.1f} ms, {summary['cpu_speedup']:.2f}x)")
     print(json.dumps(summary))
 
 

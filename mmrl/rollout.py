@@ -141,7 +141,9 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 
 def token_logprobs(logits: torch.Tensor, units: torch.Tensor, suppress: torch.Tensor | None,
                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of `units` [N, T] under logits [N, T, V] with `suppress` ids removed (-inf)."""
+    """Log-probs of `units` [N, T] under logits [N, T, V] with `suppress` ids removed (-inf).
+    `logits` are the model's own (finite); masking goes through `suppress`."""
+    raw = logits
     if suppress is not None and suppress.numel():
         logits = logits.index_fill(-1, suppress, float("-inf"))
     lse = logits.logsumexp(-1)
@@ -149,10 +151,9 @@ def token_logprobs(logits: torch.Tensor, units: torch.Tensor, suppress: torch.Te
     entropy = None
     if with_entropy:
         probs = (logits - lse.unsqueeze(-1)).exp()
-        # Suppressed entries have probability 0; zero their -inf first so neither the value nor
-        # the gradient meets 0 * inf.
-        finite = torch.where(torch.isinf(logits), torch.zeros_like(logits), logits)
-        entropy = lse - (probs * finite).sum(-1)
+        # Suppressed entries have probability 0: pair them with their finite raw logits so
+        # neither the value nor the gradient meets 0 * inf.
+        entropy = lse - (probs * raw).sum(-1)
     return logp, entropy
 
 
@@ -225,20 +226,20 @@ def _sample_tokens(
     B, device = input_ids.shape[0], input_ids.device
     eos = torch.tensor(eos_token_ids, device=device)
     suppress = torch.tensor(suppress_token_ids or [], dtype=torch.long, device=device)
-    tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
-    mask = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    pad = torch.full((B,), pad_token_id, dtype=torch.long, device=device)
+    # Per-token work is kept to the draw itself: tokens and log-probs are collected in lists and
+    # the pad / mask bookkeeping after each row's EOS is done once at the end. Tokens drawn after
+    # a row's EOS are fed back but never trained (causal attention keeps them out of the row's
+    # real tokens) and are replaced by padding below.
+    drawn_tokens, drawn_logps = [], []
     logits = stepper.prefill(input_ids, attention_mask)
-    steps = 0
     for t in range(max_new_tokens):
         scaled = logits if greedy or temperature == 1.0 else logits / temperature
         if suppress.numel():
             scaled = scaled.index_fill(-1, suppress, float("-inf"))
         logp_all = scaled.log_softmax(-1)
         if greedy:
-            drawn = scaled.argmax(-1)
+            tok = scaled.argmax(-1)
         else:
             probs = _filter_logits(scaled, top_k, top_p).softmax(-1) if (top_k or top_p < 1.0) else logp_all.exp()
             # Inverse-CDF draw: one uniform per row and a binary search, several times cheaper
@@ -246,14 +247,17 @@ def _sample_tokens(
             # below the last cumulative value, and `right=True` never lands on a p = 0 entry.
             cdf = probs.cumsum(-1)
             u = torch.rand((B, 1), generator=generator, device=device, dtype=cdf.dtype) * cdf[:, -1:]
-            drawn = torch.searchsorted(cdf, u, right=True).squeeze(-1)
-        tok = torch.where(finished, pad, drawn)
-        tokens[:, t] = tok
-        logps[:, t] = torch.where(finished, 0.0, logp_all.gather(-1, tok[:, None]).squeeze(-1))
-        mask[:, t] = ~finished
-        finished = finished | (tok == eos[0] if len(eos) == 1 else torch.isin(tok, eos))
-        steps = t + 1
-        if t == max_new_tokens - 1 or bool(finished.all()):
+            tok = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+        drawn_tokens.append(tok)
+        drawn_logps.append(logp_all.gather(-1, tok[:, None]).squeeze(-1))
+        finished |= tok == eos[0] if len(eos) == 1 else torch.isin(tok, eos)
+        # Checking for "all done" costs a host sync; every 4th token is often enough.
+        if t == max_new_tokens - 1 or (t % 4 == 3 and bool(finished.all())):
             break
         logits = stepper.step(tok)
-    return SampleOutput(tokens=tokens[:, :steps], logp=logps[:, :steps], mask=mask[:, :steps], truncated=~finished)
+    tokens = torch.stack(drawn_tokens, 1)
+    is_eos = tokens == eos[0] if len(eos) == 1 else torch.isin(tokens, eos)
+    # A unit is real up to and including the row's first EOS.
+    mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+    return SampleOutput(tokens=tokens.masked_fill(~mask, pad_token_id), logp=torch.stack(drawn_logps, 1) * mask,
+                        mask=mask, truncated=~finished)

@@ -41,6 +41,18 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
     return factor
 
 
+def make_adamw(params: list[torch.nn.Parameter], **kwargs) -> torch.optim.AdamW:
+    """AdamW as one fused kernel over all parameters where torch has one (CPU and CUDA float
+    tensors); the per-parameter loop it replaces is a dozen ops per tensor per step."""
+    fused = all(p.dtype.is_floating_point and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, fused=fused, **kwargs)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    # foreach: one multi-tensor norm instead of one per parameter (torch only defaults to it on GPU).
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, policy, task, log: MetricsLogger | None = None):
         self.cfg = cfg
@@ -57,7 +69,7 @@ class Trainer:
         self.advantage = cfg.algo.resolved_advantage()
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        self.optimizer = make_adamw(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         updates_per_step = t.ppo_epochs * t.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(t.warmup_steps * updates_per_step, t.steps * updates_per_step, t.min_lr_ratio))
@@ -111,7 +123,7 @@ class Trainer:
         if self.sft_done or s.steps == 0:
             return
         rng = np.random.default_rng(self.cfg.train.seed + 2)
-        opt = torch.optim.AdamW(self.params, lr=s.lr)
+        opt = make_adamw(self.params, lr=s.lr)
         self.policy.model.train()
         bar = _progress(range(s.steps), "sft", self.cfg.train.progress)
         for i in bar:
@@ -119,7 +131,7 @@ class Trainer:
                 loss = self.policy.sft_loss(self.task.sft_batch(s.batch_size, rng))
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+            clip_grad_norm(self.params, self.cfg.train.grad_clip)
             opt.step()
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss.item():.3f}")
@@ -262,7 +274,7 @@ class Trainer:
                             sums[k] = min(sums.get(k, v), v)
                         else:
                             sums[k] += v * len(micro) / (N * t.ppo_epochs)  # row-weighted mean
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+                grad_norm = clip_grad_norm(self.params, t.grad_clip)
                 self.optimizer.step()
                 self.scheduler.step()
                 sums["grad_norm"] += grad_norm.item()

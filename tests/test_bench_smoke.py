@@ -43,9 +43,10 @@ def test_grpo_vs_trl_bench_smoke():
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("mmrl_step_s", "trl_step_s", "speedup", "mmrl_tokens_per_step", "trl_tokens_per_step",
-                "mmrl_peak_rss_mib", "trl_peak_rss_mib"):
+                "mmrl_peak_rss_mib", "trl_peak_rss_mib", "mmrl_cpu_step_s", "trl_cpu_step_s", "cpu_speedup"):
         assert result[key] > 0, key
     assert result["speedup"] == pytest.approx(result["trl_step_s"] / result["mmrl_step_s"], rel=0.01)
+    assert result["cpu_speedup"] == pytest.approx(result["trl_cpu_step_s"] / result["mmrl_cpu_step_s"], rel=0.01)
 
 
 def test_gpu_planning_bench_smoke(tmp_path):

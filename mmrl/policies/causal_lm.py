@@ -135,7 +135,9 @@ class CausalLMPolicy(PolicyBase):
         else:
             logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
                            use_cache=False, logits_to_keep=T + 1).logits[:, :-1].float()
-        logits = logits / (self.temperature if temperature is None else temperature)
+        temperature = self.temperature if temperature is None else temperature
+        if temperature != 1.0:
+            logits = logits / temperature
         return token_logprobs(logits, units, self._suppress.to(logits.device), with_entropy)
 
     def logprobs(self, rollout: Rollout, with_entropy: bool = False):
