@@ -29,6 +29,7 @@ def make_task(name: str, seed: int, **params):
 
 from mmrl.envs import arithmetic  # noqa: E402,F401  (registers its task)
 from mmrl.envs.planning import task as _planning_task  # noqa: E402,F401  (registers "planning")
+from mmrl.envs.captioning import task as _caption_task  # noqa: E402,F401  (registers "caption")
 try:  # the robot tasks need mujoco (mmrl[robot]); without it "tabletop"/"libero" are just not registered
     from mmrl.envs.tabletop import source as _robot_tasks  # noqa: E402,F401  (registers "tabletop", "libero")
 except ImportError:

@@ -1,0 +1,1 @@
+"""Image captioning (CapRL): synthetic scenes with QA, CapRL-QA-shaped data, the QA filter and the task."""
