@@ -105,6 +105,45 @@ def table1(records: Sequence[dict[str, Any]], split: str = "test") -> str:
     return "\n".join(lines) + "\n"
 
 
+def before_after_markdown(before: dict[str, Any], after: dict[str, Any], train_cpu_s: float | None = None,
+                          title: str = "") -> str:
+    """The trainer's first and last held-out evaluation (`eval/exact_match`, `eval/progress_rate`,
+    ... and per size `eval/exact_match_L<n>`) as one table, a row per (stage, size)."""
+    def rows(label: str, ev: dict[str, Any]) -> list[str]:
+        get = ev.get
+        out = [f"| {label} | {get('step', 0)} | all | {_pct(get('eval/exact_match'))} | "
+               f"{_pct(get('eval/progress_rate'))} | {_pct(get('eval/success_rate'))} | "
+               f"{_pct(get('eval/invalid_share_of_failures'))} |"]
+        levels = sorted(int(k.rsplit("_L", 1)[1]) for k in ev if k.startswith("eval/exact_match_L"))
+        out += [f"| {label} | {get('step', 0)} | {lv}x{lv} | {_pct(get(f'eval/exact_match_L{lv}'))} | "
+                f"{_pct(get(f'eval/progress_rate_L{lv}'))} | — | — |" for lv in levels]
+        return out
+
+    n = int(after.get("eval/n", 0))
+    lines = [f"### {title}" if title else "", "",
+             f"Held-out layouts: {n}, greedy closed-loop plans, percent."
+             + (f" Training CPU-seconds (SFT + RL, evaluations excluded): {train_cpu_s:.0f}." if train_cpu_s else ""),
+             "", "| stage | step | size | EM | PR | success | invalid share of failures |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += rows("before RL (after SFT)", before)
+    if after.get("step", 0) != before.get("step", 0):
+        lines += rows("after RL", after)
+    return "\n".join(lines).lstrip() + "\n"
+
+
+def write_before_after(results: dict[str, Any], out_dir: str | Path, train_cpu_s: float | None = None,
+                       title: str = "") -> str:
+    """Write before_after.md / .json from a trainer's results (eval_before, eval_after); return the Markdown."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    before, after = results["eval_before"], results["eval_after"]
+    md = before_after_markdown(before, after, train_cpu_s, title)
+    (out_dir / "before_after.md").write_text(md)
+    (out_dir / "before_after.json").write_text(json.dumps(
+        {"before": before, "after": after, "train_cpu_s": train_cpu_s}, indent=2))
+    return md
+
+
 # ----------------------------------------------------------------------------- media
 
 
@@ -216,32 +255,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output folder (default: <output_dir>/eval)")
     a = p.parse_args(argv)
 
-    import torch
-
-    from mmrl.checkpoint import find_latest, load_checkpoint
     from mmrl.cli import _build
     from mmrl.config import load_config
 
     cfg = load_config(a.config, a.overrides)
     task, policy = _build(cfg)
+    report_checkpoint(cfg, task, policy, a.checkpoint, out=a.out, method=a.method, splits=a.splits, n=a.n)
+    return 0
+
+
+def report_checkpoint(cfg, task, policy, checkpoint: str | Path | None, out: str | Path | None = None,
+                      method: str | None = None, splits: Sequence[str] = ("test", "ood", "paper"),
+                      n: int | None = None) -> dict[str, Any]:
+    """Load `checkpoint` (a run directory or a step_NNNNNN one; None: evaluate `policy` as it is),
+    write the planner report (default folder: <run>/eval) and print its table."""
+    import torch
+
+    from mmrl.checkpoint import find_latest, load_checkpoint
+
     run_dir = Path(cfg.train.output_dir)
-    if a.checkpoint:
-        ckpt = Path(a.checkpoint)
+    if checkpoint:
+        ckpt = Path(checkpoint)
         if (ckpt / "model.safetensors").is_file():
-            run_dir = ckpt.parent
+            run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
         else:
             run_dir, ckpt = ckpt, find_latest(ckpt)
             if ckpt is None:
                 raise FileNotFoundError(f"no checkpoint (step_*/model.safetensors) under {run_dir}")
         load_checkpoint(ckpt, policy.model)
     with torch.no_grad():
-        record = write_planner_report(policy, task, a.out or run_dir / "eval", a.method or run_dir.name, a.splits,
-                                      a.n, run_dir=run_dir)
+        record = write_planner_report(policy, task, out or run_dir / "eval", method or run_dir.name, splits, n,
+                                      run_dir=run_dir)
     print(table1([record]), end="")
     for split, entry in record["splits"].items():
         print(f"{split}: " + (entry["skipped"] if "skipped" in entry else
                               "  ".join(f"{k}={entry[k]:.3f}" for k in METRIC_KEYS)))
-    return 0
+    print(f"written: {Path(out or run_dir / 'eval') / 'planning_eval.md'}")
+    return record
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -30,13 +31,17 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     task, policy = _build(cfg)
     trainer = Trainer(cfg, policy, task)
+    cpu0 = time.process_time()
     results = trainer.train(resume=not args.no_resume)
+    cpu_s = time.process_time() - cpu0
     from mmrl.evals.report import write_report
 
     report = write_report(cfg.train.output_dir)
     before, after = results["eval_before"], results["eval_after"]
     print(f"held-out reward: {before.get('eval/total', float('nan')):.3f} (step {before['step']}) -> "
           f"{after.get('eval/total', float('nan')):.3f} (step {after['step']})")
+    if hasattr(task, "summarize"):  # a task's own before/after table (e.g. planning: EM / PR per size)
+        print(task.summarize(results, cfg.train.output_dir, cpu_s=cpu_s), end="")
     print(f"results: {Path(cfg.train.output_dir) / 'results.json'}  report: {report}")
     return 0
 
@@ -48,6 +53,11 @@ def cmd_eval(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     task, policy = _build(cfg)
+    if hasattr(task, "rollout_plans") and hasattr(policy, "plan"):  # planning: the Table-1 report
+        from mmrl.evals.planning_eval import report_checkpoint
+
+        report_checkpoint(cfg, task, policy, args.checkpoint, out=args.output)
+        return 0
     load_checkpoint(args.checkpoint, policy.model)
     trainer = Trainer(cfg, policy, task)
     result = trainer.evaluate()
@@ -71,6 +81,22 @@ def cmd_algos(args) -> int:
     return 0
 
 
+def cmd_caption_filter(argv: list[str]) -> int:
+    from mmrl.envs.captioning.filter import main as filter_main
+
+    return filter_main(argv)
+
+
+def cmd_caption_eval(argv: list[str]) -> int:
+    from mmrl.evals.caption_eval import main as caption_eval_main
+
+    return caption_eval_main(argv)
+
+
+# Commands that parse their own arguments (`mmrl caption-filter -h`).
+PASSTHROUGH = {"caption-filter": cmd_caption_filter, "caption-eval": cmd_caption_eval}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmrl", description="RL post-training for multimodal models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,10 +109,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--checkpoint", required=True, help="a step_NNNNNN directory or a run directory")
-    p.add_argument("--output", help="where to write the JSON result")
+    p.add_argument("--output", help="where to write the JSON result (planning tasks: the report folder)")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("algos", help="list every algorithm name with its citation")
     p.set_defaults(fn=cmd_algos)
+    sub.add_parser("caption-filter", help="CapRL's with/without-image QA filter (own arguments: -h)")
+    sub.add_parser("caption-eval", help="Prism-style caption eval with a before/after gallery (own arguments: -h)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASSTHROUGH:
+        run = lambda: PASSTHROUGH[argv[0]](argv[1:])
+    else:
+        args = _parse(parser, argv)
+        run = lambda: args.fn(args)
+
+    from mmrl.checkpoint import CheckpointError
+    from mmrl.config import ConfigError
+
+    try:
+        return run()
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
+        print(f"mmrl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     # Overrides may come before or after flags (`train CFG --no-resume a.b=1`).
     args, extra = parser.parse_known_args(argv)
     unknown = [x for x in extra if x.startswith("-") or "=" not in x]
@@ -94,15 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-
-    from mmrl.checkpoint import CheckpointError
-    from mmrl.config import ConfigError
-
-    try:
-        return args.fn(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
-        print(f"mmrl: error: {exc}", file=sys.stderr)
-        return 2
+    return args
 
 
 if __name__ == "__main__":

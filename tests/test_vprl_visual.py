@@ -1,6 +1,7 @@
 """VPRL visual mode: VQ tokenizer, the planning task, the vprl_progress reward and the visual planner."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -332,3 +333,62 @@ def test_bad_policy_params_are_named(tmp_path):
     task = make_task("planning", seed=0, **cfg.task.params)
     with pytest.raises(ValueError, match="codebok_size"):
         build_policy(cfg, task, torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------- the CLI main job
+
+
+def test_cli_train_prints_before_after_table_and_eval_writes_planner_report(tmp_path, capsys):
+    """`mmrl train` on a planning config prints and saves the held-out table before and after RL;
+    `mmrl eval --checkpoint RUN` writes the Table-1 report (JSON, Markdown, GIFs)."""
+    import yaml
+
+    from mmrl.cli import main
+
+    cfg = make_cfg(tmp_path, train={"eval_size": 4})
+    path = tmp_path / "vprl.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert main(["train", str(path), "--no-resume"]) == 0
+    out = capsys.readouterr().out
+    table = (tmp_path / "run" / "before_after.md").read_text()
+    assert table in out
+    assert "before RL (after SFT)" in table and "after RL" in table and "| 3x3 |" in table
+    saved = json.loads((tmp_path / "run" / "before_after.json").read_text())
+    assert saved["before"]["step"] == 0 and saved["after"]["step"] == 2
+    assert 0 < saved["train_cpu_s"]
+
+    report = tmp_path / "report"
+    assert main(["eval", str(path), "--checkpoint", str(tmp_path / "run"), "--output", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "FrozenLake EM" in out and "written:" in out
+    record = json.loads((report / "planning_eval.json").read_text())
+    assert record["method"] == "run" and record["splits"]["test"]["n"] == 12  # every held-out layout (2 sizes x 6)
+    assert (report / "planning_eval.md").is_file() and list((report / "plans").glob("*.gif"))
+
+
+def test_before_after_table_without_rl_has_one_stage():
+    from mmrl.evals.planning_eval import before_after_markdown
+
+    ev = {"step": 0, "eval/n": 10.0, "eval/exact_match": 0.5, "eval/progress_rate": 0.75,
+          "eval/exact_match_L3": 0.25, "eval/progress_rate_L3": 0.5}
+    md = before_after_markdown(ev, ev, train_cpu_s=12.0)
+    assert "after RL" not in md and "| before RL (after SFT) | 0 | all | 50.0 | 75.0 |" in md
+    assert "| 3x3 | 25.0 | 50.0 |" in md and "CPU-seconds (SFT + RL, evaluations excluded): 12" in md
+
+
+@pytest.mark.parametrize("name", ["vprl_maze_grpo.yaml", "vprl_minibehavior_grpo.yaml"])
+def test_maze_and_minibehavior_configs_run_two_steps(name, tmp_path):
+    """The shipped Maze / MiniBehavior configs, shrunk: build, 2 SFT + 2 GRPO steps, closed-loop eval."""
+    from mmrl.config import load_config
+
+    path = Path(__file__).parent.parent / "configs" / name
+    cfg = load_config(path, [
+        "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=1",
+        "model.params.vq_steps=30", "model.params.vq_layouts=4", "model.params.codebook_size=32",
+        "task.params.n_train=8", "task.params.n_test=2", "task.params.ood_sizes=[]", "task.params.paper_split=null",
+        "sft.steps=2", "sft.batch_size=4", "train.steps=2", "train.prompts_per_step=2", "sampling.group_size=2",
+        "train.eval_every=0", "train.eval_size=2", "train.progress=false", f"train.output_dir={tmp_path / 'run'}"])
+    task = make_task("planning", seed=0, **cfg.task.params)
+    policy = build_policy(cfg, task, torch.device("cpu"))
+    results = Trainer(cfg, policy, task).train(resume=False)
+    assert results["eval_after"]["step"] == 2 and "eval/exact_match" in results["eval_after"]

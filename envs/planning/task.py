@@ -23,11 +23,13 @@ one-step GRPO sees states all along the way. The stream is a pure function of (s
 the cursor alone resumes it exactly. `eval_batch` returns start states of the held-out layouts,
 interleaved across sizes. `evaluate(policy, n)` runs closed-loop plans through the policy's
 `plan(contexts, max_steps) -> list[{"states": int [T+1, 5], "frames": [uint8 HxWx3, ...]}]`
-(duck-typed) and returns EM / PR / success / invalid share, overall and per level.
+(duck-typed) and returns EM / PR / success / invalid share, overall and per level. After
+`mmrl train`, the CLI prints `summarize(results, out_dir, cpu_s)`: that table before and after RL.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -170,6 +172,7 @@ class PlanningTask:
         self._ood: list[tuple[str, Layout]] | None = None
         self._graphs: dict[str, StateGraph] = {}
         self.cursor = 0
+        self.eval_cpu_s = 0.0  # process time spent in `evaluate`, so a run can report training CPU-s alone
 
     # ------------------------------------------------------------------ helpers
 
@@ -334,6 +337,7 @@ class PlanningTask:
 
         if not hasattr(policy, "plan"):
             return {}
+        t0 = time.process_time()
         contexts, plans = self.rollout_plans(policy, n, split)
         layouts = [c["layout"] for c in contexts]
         states = [p["states"] for p in plans]
@@ -341,4 +345,15 @@ class PlanningTask:
         for level, m in evaluate_plans_by_level(states, layouts).items():
             out[f"exact_match_L{level}"] = float(m["exact_match"])
             out[f"progress_rate_L{level}"] = float(m["progress_rate"])
+        self.eval_cpu_s += time.process_time() - t0
         return out
+
+    def summarize(self, results: dict[str, Any], out_dir: str, cpu_s: float | None = None) -> str:
+        """The held-out table before RL (after SFT) and after it, written to out_dir/before_after.md
+        (and .json) and returned for printing. `cpu_s`: process time of the whole training call;
+        the time spent in `evaluate` is taken out of it."""
+        from mmrl.evals.planning_eval import ENV_TITLES, write_before_after
+
+        train_cpu = None if cpu_s is None else max(cpu_s - self.eval_cpu_s, 0.0)
+        return write_before_after(results, out_dir, train_cpu, title=f"{ENV_TITLES[self.env]}, held-out "
+                                  f"{'/'.join(f'{s}x{s}' for s in self.sizes)}")

@@ -250,8 +250,13 @@ class VisualPlannerPolicy:
         T = units.shape[1]
         ids = torch.cat([prompt_ids, units], 1)
         attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
-        logits = lm(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), use_cache=False,
-                    logits_to_keep=T + 1).logits[:, :-1].float()
+        # The lean decoder (same weights, gradients flow back) for the policy's own LM: it is the
+        # bulk of every GRPO update and SFT step. The frozen reference copy takes the HF forward.
+        if self._fast is not None and lm is self.lm and not (lm.training and self._fast.dropout > 0):
+            logits = self._fast.forward_logits(ids, attn, keep_last=T + 1)[:, :-1].float()
+        else:
+            logits = lm(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), use_cache=False,
+                        logits_to_keep=T + 1).logits[:, :-1].float()
         logits = logits / (self.temperature if temperature is None else temperature)
         suppress = torch.tensor(self.suppress_token_ids, device=logits.device)
         return token_logprobs(logits, units, suppress, with_entropy)
