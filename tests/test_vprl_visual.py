@@ -312,6 +312,16 @@ def test_planning_eval_report(built, tmp_path):
     assert table[3] == "| vpft | — | — | 50.0 | 75.0 | — | — |"
 
 
+def test_missing_paper_split_folder_warns_and_errors_only_when_used(tmp_path):
+    """A machine without the paper's metadata still trains; evaluating on that split says why not."""
+    missing = tmp_path / "no_vprl_here"
+    with pytest.warns(UserWarning, match="not a folder"):
+        task = make_task("planning", seed=0, env="frozenlake", sizes=[3], n_train=4, n_test=2,
+                         paper_split=str(missing))
+    with pytest.raises(FileNotFoundError, match="task.params.paper_split"):
+        task.paper_split()
+
+
 def test_paper_split_evaluation(built):
     """The paper's own FrozenLake test split (from ../shared/vprl), when it is there."""
     from pathlib import Path

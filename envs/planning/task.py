@@ -30,7 +30,9 @@ interleaved across sizes. `evaluate(policy, n)` runs closed-loop plans through t
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -159,7 +161,11 @@ class PlanningTask:
         gen = dict(generator_params or {})
         exclude: list[str] = []
         if paper_split and self.env in PAPER_FILES:  # never train on a paper test instance
-            exclude = [lay.key() for lay in self.paper_split().layouts]
+            if Path(paper_split).is_dir():
+                exclude = [lay.key() for lay in self.paper_split().layouts]
+            else:  # nothing to exclude, and nothing to evaluate on; `--splits paper` will say so
+                warnings.warn(f"task.params.paper_split: {paper_split} is not a folder; training without "
+                              "excluding the paper's test layouts", stacklevel=2)
         self.train: list[tuple[str, Layout]] = []
         tests: list[list[tuple[str, Layout]]] = []
         for size in sizes:
