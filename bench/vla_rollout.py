@@ -8,6 +8,12 @@ tabletop task and on LIBERO, driven by random 8-step action chunks (`VectorEnv.s
 The last line printed is JSON: for each backend, steps/s with 1 worker and with N, their ratio
 (`speedup`), plus tabletop steps/s with single-step IPC (`step`) for comparison with chunks.
 Env construction and reset are not timed (LIBERO builds in seconds); only stepping is.
+
+`overlap` times training-step-shaped rounds (reset, a few chunks, then `--update-s` seconds
+standing in for the policy update) with and without `reset_async` (the next round's reset started
+right after the rollout, so the workers reset while the update runs), and reports the seconds a
+step saves. `--update-kind busy` (default) keeps this process's CPU busy, as a CPU update does;
+`idle` sleeps, as the host does while a GPU runs the update.
 """
 
 from __future__ import annotations
@@ -49,6 +55,49 @@ def _run(env_fns: list, workers: int, steps: int, chunk: int, seed: int, rounds:
     return executed / elapsed
 
 
+def _busy(seconds: float) -> None:
+    """CPU work in this process (like a policy update on the CPU): the workers compete with it."""
+    a = np.random.default_rng(0).standard_normal((64, 64))
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = np.tanh(a @ a.T * 0.01)
+
+
+def _rounds(vec, rounds: int, chunks: int, chunk: int, update, prefetch: bool, seed: int) -> float:
+    """Mean wall seconds of a round: reset + `chunks` step_chunks + the update."""
+    rng = np.random.default_rng(seed)
+    n = vec.num_envs
+    ids = lambda r: [1000 * seed + r * n + i for i in range(n)]  # noqa: E731
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        vec.reset(init_state_ids=ids(r))
+        for _ in range(chunks):
+            vec.step_chunk(rng.uniform(-1, 1, (n, chunk, 7)))
+        if prefetch:
+            vec.reset_async(init_state_ids=ids(r + 1))
+        update()
+    return (time.perf_counter() - t0) / rounds
+
+
+def bench_overlap(name: str, env_fns: list, workers: int, rounds: int, chunks: int, chunk: int, update_s: float,
+                  seed: int, update_kind: str = "busy") -> dict:
+    update = partial(_busy if update_kind == "busy" else time.sleep, update_s)
+    with VectorEnv(env_fns, num_workers=workers, start_timeout_s=600, reset_timeout_s=600) as vec:
+        vec.reset(init_state_ids=list(range(vec.num_envs)))
+        vec.step_chunk(np.zeros((vec.num_envs, chunk, 7)))  # warm-up: lazy renderers
+        t = time.perf_counter()
+        vec.reset(init_state_ids=list(range(vec.num_envs)))
+        reset_s = time.perf_counter() - t
+        serial = _rounds(vec, rounds, chunks, chunk, update, False, seed)
+        overlapped = _rounds(vec, rounds, chunks, chunk, update, True, seed + 1)
+    out = {"envs": len(env_fns), "workers": workers, "rounds": rounds, "chunks": chunks, "update_s": update_s,
+           "update_kind": update_kind,
+           "reset_s": round(reset_s, 3), "step_s_serial": round(serial, 3), "step_s_overlapped": round(overlapped, 3),
+           "saved_s_per_step": round(serial - overlapped, 3)}
+    print(f"{name} overlap: {json.dumps(out)}", flush=True)
+    return out
+
+
 def bench_backend(name: str, env_fns: list, workers: int, steps: int, chunk: int, seed: int, rounds: int = 1,
                   with_single_step: bool = False) -> dict:
     one = _run(env_fns, 1, steps, chunk, seed, rounds)
@@ -76,6 +125,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--libero-steps", type=int, default=None, help="LIBERO steps per env (default 16, smoke 8)")
     p.add_argument("--libero-image-size", type=int, default=None, help="default 128, smoke 64")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--update-s", type=float, default=None, help="the stand-in update per step (default 1.0, smoke 0.2)")
+    p.add_argument("--overlap-rounds", type=int, default=None, help="steps per overlap measurement (default 4, smoke 2)")
+    p.add_argument("--update-kind", choices=("busy", "idle"), default="busy",
+                   help="the stand-in update: busy CPU (a CPU update) or a sleep (a GPU update)")
+    p.add_argument("--no-throughput", action="store_true", help="only the overlap measurement")
     args = p.parse_args(argv)
     smoke = args.smoke
     envs = args.envs or (2 if smoke else 8)
@@ -86,9 +140,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     result: dict = {"smoke": smoke, "cpu_count": os.cpu_count()}
     fns = [partial(make_tabletop_env, args.task, image_size=args.image_size)] * envs
-    result["mujoco"] = {"task": args.task, "image_size": args.image_size,
-                        **bench_backend("mujoco", fns, args.workers, steps, args.chunk, args.seed, rounds,
-                                        with_single_step=True)}
+    result["mujoco"] = {"task": args.task, "image_size": args.image_size}
+    if not args.no_throughput:
+        result["mujoco"].update(bench_backend("mujoco", fns, args.workers, steps, args.chunk, args.seed, rounds,
+                                              with_single_step=True))
+    update_s = args.update_s if args.update_s is not None else (0.2 if smoke else 1.0)
+    o_rounds = args.overlap_rounds or (2 if smoke else 4)
+    result["mujoco"]["overlap"] = bench_overlap("mujoco", fns, args.workers, o_rounds, 2, args.chunk, update_s,
+                                                args.seed, args.update_kind)
 
     if args.no_libero:
         result["libero"] = {"skipped": "--no-libero"}
@@ -106,8 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
             lsteps = args.libero_steps or (8 if smoke else 16)
             lfns = [partial(make_libero_env, "libero_spatial", i % 10, image_size=size, settle_steps=0)
                     for i in range(n)]
-            result["libero"] = {"suite": "libero_spatial", "image_size": size,
-                                **bench_backend("libero", lfns, args.workers, lsteps, args.chunk, args.seed)}
+            result["libero"] = {"suite": "libero_spatial", "image_size": size}
+            if not args.no_throughput:
+                result["libero"].update(bench_backend("libero", lfns, args.workers, lsteps, args.chunk, args.seed))
+            if not smoke or args.no_throughput:  # LIBERO resets take seconds: not in the CI smoke run
+                result["libero"]["overlap"] = bench_overlap("libero", lfns, args.workers, o_rounds, 1, args.chunk,
+                                                            update_s, args.seed, args.update_kind)
     print(json.dumps(result), flush=True)
     return result
 

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mmrl.envs.tabletop.gl import select_gl_backend
+from mmrl.envs.tabletop.gl import close_at_exit, select_gl_backend
 
 select_gl_backend()  # robosuite imports mujoco and reads MUJOCO_GL then
 
@@ -156,6 +156,7 @@ class LiberoEnv(gym.Env):
         self._env = OffScreenRenderEnv(bddl_file_name=bddl, camera_names=[CAMERAS[c] for c in self.cameras],
                                        camera_heights=self.height, camera_widths=self.width,
                                        control_freq=control_freq, hard_reset=hard_reset)
+        close_at_exit(self)  # robosuite opened its EGL context: closed before the display at exit
         self._camera_obs = [self._env.env._observables[f"{CAMERAS[c]}_image"] for c in self.cameras]
         self._blank_sensors = [_blank_sensor(ob, self.height, self.width) for ob in self._camera_obs]
         self._real_sensors: dict[str, Any] = {}

@@ -13,6 +13,12 @@ A worker that dies (segfault, `os._exit`, kill -9) or does not answer within the
 the unfinished trajectories of all its envs failed (done, success=False, info["crashed"]=True),
 is restarted in the background, and the run goes on. An exception inside one env's `step` fails
 only that env's trajectory; the worker rebuilds that env in place.
+
+`reset_async(seeds, init_state_ids)` starts a reset in the workers and returns at once; the next
+`reset` with the same arguments only collects it. A trainer calls it right after a rollout, so the
+workers reset to the next batch's initial states while the policy update runs (LIBERO resets take
+seconds). A reset once started is done: any other command (a `reset` to other states, a `step`)
+first completes the pending one.
 """
 
 from __future__ import annotations
@@ -244,18 +250,29 @@ class _VectorBase:
         """Reset every env. `seeds` (int = base seed, env i gets base + i) seeds each env;
         `init_state_ids` picks each env's initial state (e.g. LIBERO's official states; for tabletop
         tasks the id is the seed of the state sampler). Repeat an id G times for a GRPO group."""
-        n = self.num_envs
-        if isinstance(seeds, (int, np.integer)):
-            seeds = [int(seeds) + i for i in range(n)]
-        seeds = self._per_env(seeds, "seeds")
-        ids = self._per_env(init_state_ids, "init_state_ids")
-        entries = self._reset_envs([(g, seeds[g], ids[g]) for g in range(n)])
+        self._apply_reset(self._reset_envs(self._reset_requests(seeds, init_state_ids)))
+        return self._obs_batch()
+
+    def _apply_reset(self, entries: dict[int, dict]) -> None:
         for g, entry in entries.items():
             self._last[g] = entry
         self._done[:] = False
         self._success[:] = False
         self._has_reset = True
-        return self._obs_batch()
+
+    def reset_async(self, seeds: Sequence[int | None] | int | None = None,
+                    init_state_ids: Sequence[int | None] | None = None) -> None:
+        """Start `reset(seeds, init_state_ids)` without waiting for it (see the module docstring).
+        In-process envs cannot overlap, so here it does nothing and `reset` does the work."""
+        self._reset_requests(seeds, init_state_ids)  # validate now, where the caller can see it
+
+    def _reset_requests(self, seeds, init_state_ids) -> list[tuple[int, int | None, int | None]]:
+        n = self.num_envs
+        if isinstance(seeds, (int, np.integer)):
+            seeds = [int(seeds) + i for i in range(n)]
+        seeds = self._per_env(seeds, "seeds")
+        ids = self._per_env(init_state_ids, "init_state_ids")
+        return [(g, seeds[g], ids[g]) for g in range(n)]
 
     def step(self, actions) -> StepBatch:
         """One action per env, `[N, A]`."""
@@ -385,6 +402,7 @@ class VectorEnv(_VectorBase):
         bounds = np.linspace(0, len(fns), num_workers + 1).round().astype(int)
         ctx = mp.get_context(context)
         self._workers: list[_Worker] = []
+        self._pending_reset: tuple[list, list[int], dict[int, Any]] | None = None  # requests, sent, early replies
         self._owner = np.zeros(len(fns), int)  # env -> worker index
         self._local = np.zeros(len(fns), int)  # env -> index inside its worker
         try:
@@ -424,6 +442,11 @@ class VectorEnv(_VectorBase):
     def _exchange(self, cmd: str, payloads: dict[int, Any], timeout: float) -> dict[int, Any]:
         """Send `cmd` to the workers in `payloads` at once, then gather replies under one deadline.
         A worker that is dead or late comes back as a `_WorkerDied` (and is restarted)."""
+        self._complete_pending_reset()
+        sent, replies = self._send(cmd, payloads)
+        return self._gather(cmd, sent, replies, timeout)
+
+    def _send(self, cmd: str, payloads: dict[int, Any]) -> tuple[list[int], dict[int, Any]]:
         replies: dict[int, Any] = {}
         sent: list[int] = []
         for w, payload in payloads.items():
@@ -434,6 +457,9 @@ class VectorEnv(_VectorBase):
                 sent.append(w)
             except _WorkerDied as exc:
                 replies[w] = exc
+        return sent, replies
+
+    def _gather(self, cmd: str, sent: list[int], replies: dict[int, Any], timeout: float) -> dict[int, Any]:
         deadline = time.monotonic() + timeout
         for w in sent:
             try:
@@ -451,25 +477,63 @@ class VectorEnv(_VectorBase):
                 worker.restart()
         return replies
 
+    def _reset_payloads(self, requests) -> dict[int, list]:
+        payloads: dict[int, list] = {}
+        for g, seed, sid in requests:
+            payloads.setdefault(int(self._owner[g]), []).append((int(self._local[g]), seed, sid))
+        return payloads
+
+    def _store_resets(self, replies: dict[int, Any], out: dict[int, dict], failed: list[str]) -> None:
+        for w, reply in replies.items():
+            if isinstance(reply, _WorkerDied):
+                failed.append(f"worker {w}: {reply}")
+                continue
+            ids = self._workers[w].env_ids
+            for i, entry in reply:
+                out[ids[i]] = entry
+
+    def reset_async(self, seeds=None, init_state_ids=None) -> None:
+        requests = self._reset_requests(seeds, init_state_ids)
+        self._complete_pending_reset()
+        sent, replies = self._send("reset", self._reset_payloads(requests))
+        self._pending_reset = (requests, sent, replies)
+
+    def _collect_pending_reset(self, failed: list[str]) -> tuple[list, dict[int, dict]]:
+        """The requests of the reset `reset_async` started and the observations it produced."""
+        requests, sent, replies = self._pending_reset
+        self._pending_reset = None
+        out: dict[int, dict] = {}
+        self._store_resets(self._gather("reset", sent, replies, self.reset_timeout_s), out, failed)
+        return requests, out
+
+    def _complete_pending_reset(self) -> None:
+        """Before any other command: the workers ran the pending reset, so record its result (envs
+        of a worker that crashed during it count as done, their trajectories failed)."""
+        if self._pending_reset is None:
+            return
+        requests, out = self._collect_pending_reset([])
+        self._apply_reset(out)
+        self._done[[g for g, _, _ in requests if g not in out]] = True
+
     def _reset_envs(self, requests):
         out: dict[int, dict] = {}
-        pending = list(requests)
+        failed: list[str] = []
+        if self._pending_reset is not None:
+            # Started by reset_async while the caller did other work: only collect it when it asked
+            # for these states (else it is overwritten by the reset below).
+            started, collected = self._collect_pending_reset(failed)
+            if started == requests:
+                out = collected
+        pending = [r for r in requests if r[0] not in out]
         for attempt in range(2):  # a worker that crashes during reset gets one fresh try
-            payloads: dict[int, list] = {}
-            for g, seed, sid in pending:
-                payloads.setdefault(int(self._owner[g]), []).append((int(self._local[g]), seed, sid))
-            failed: list[str] = []
-            for w, reply in self._exchange("reset", payloads, self.reset_timeout_s).items():
-                if isinstance(reply, _WorkerDied):
-                    failed.append(f"worker {w}: {reply}")
-                    continue
-                ids = self._workers[w].env_ids
-                for i, entry in reply:
-                    out[ids[i]] = entry
-            pending = [r for r in pending if r[0] not in out]
             if not pending:
                 return out
-        raise RuntimeError(f"reset failed twice for envs {[r[0] for r in pending]}: {'; '.join(failed)}")
+            self._store_resets(self._exchange("reset", self._reset_payloads(pending), self.reset_timeout_s),
+                               out, failed)
+            pending = [r for r in pending if r[0] not in out]
+        if not pending:
+            return out
+        raise RuntimeError(f"reset failed for envs {[r[0] for r in pending]}: {'; '.join(failed)}")
 
     def _step_envs(self, actions):
         payloads: dict[int, list] = {}
@@ -488,6 +552,7 @@ class VectorEnv(_VectorBase):
         return results
 
     def close(self) -> None:
+        self._pending_reset = None  # the workers are told to close; their queued replies go with them
         for worker in getattr(self, "_workers", []):
             try:
                 if worker.ready and worker.proc.is_alive():

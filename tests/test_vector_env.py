@@ -142,6 +142,37 @@ def test_worker_crash_mid_rollout_fails_its_trajectories_and_the_run_goes_on(cap
             assert not out.done.any() and out.obs.state[:, 0].tolist() == [1, 1, 1, 1]
 
 
+class SlowResetEnv(ToyEnv):
+    """A ToyEnv whose reset takes `delay` seconds (as LIBERO's does), to time overlapped resets."""
+
+    def __init__(self, delay: float = 0.4, **kwargs):
+        super().__init__(**kwargs)
+        self.delay = delay
+
+    def reset(self, **kwargs):
+        time.sleep(self.delay)
+        return super().reset(**kwargs)
+
+
+def test_reset_async_overlaps_other_work_and_stale_prefetches_are_dropped():
+    with VectorEnv([partial(SlowResetEnv, delay=0.4) for _ in range(2)], num_workers=2) as vec:
+        vec.reset_async(init_state_ids=[1, 2])
+        time.sleep(0.6)  # the caller's own work (a policy update) while the workers reset
+        t0 = time.perf_counter()
+        obs = vec.reset(init_state_ids=[1, 2])
+        assert time.perf_counter() - t0 < 0.3  # only collected: the 0.4 s resets already ran
+        assert obs.state[:, 0].tolist() == [1, 2]
+        out = vec.step(_right(2))
+        assert out.obs.state[:, 0].tolist() == [2, 3]
+        # A reset to other states than the pending one asked for overrides it.
+        vec.reset_async(init_state_ids=[0, 0])
+        assert vec.reset(init_state_ids=[2, 1]).state[:, 0].tolist() == [2, 1]
+        # A step completes a pending reset first: the workers did reset.
+        vec.reset_async(init_state_ids=[0, 1])
+        out = vec.step(_right(2))
+        assert out.obs.state[:, 0].tolist() == [1, 2] and not out.done.any()
+
+
 def test_vector_env_rejects_unpicklable_env_fns():
     with pytest.raises(TypeError, match="picklable"):
         VectorEnv([lambda: ToyEnv()], num_workers=1)
@@ -164,5 +195,9 @@ def test_vla_rollout_bench_smoke():
     for key in ("steps_per_s_1w", "steps_per_s_nw", "speedup", "steps_per_s_nw_single_step"):
         assert mj[key] > 0, key
     assert mj["speedup"] == pytest.approx(mj["steps_per_s_nw"] / mj["steps_per_s_1w"], rel=0.01)
+    overlap = mj["overlap"]
+    assert overlap["step_s_serial"] > 0 and overlap["step_s_overlapped"] > 0 and overlap["reset_s"] > 0
+    assert overlap["saved_s_per_step"] == pytest.approx(overlap["step_s_serial"] - overlap["step_s_overlapped"],
+                                                        abs=2e-3)
     lib = result["libero"]
     assert "skipped" in lib or (lib["steps_per_s_1w"] > 0 and lib["steps_per_s_nw"] > 0)

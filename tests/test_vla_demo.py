@@ -86,6 +86,28 @@ def test_bad_params_name_the_value():
         make_task("tabletop", seed=0, n_eval=0)
 
 
+def test_next_training_batch_is_reset_while_the_policy_trains():
+    """After a training rollout, the task's env factory starts the workers' resets to the next
+    batch's states (what the trainer's next `next_batch` returns); eval rollouts prefetch nothing."""
+    from mmrl.policies.action_vla import _init_ids
+
+    task = make_task("tabletop", seed=0, n_train=5, n_eval=2, num_workers=1, image_size=16)
+    G = 2
+    rows = [c for c in task.next_batch(2) for _ in range(G)]
+    factory = task.env_factory
+    env = factory(rows)
+    env.reset(*_init_ids(rows))
+    assert task.upcoming_rows([c for c in task.eval_batch(2) for _ in range(G)]) is None
+    factory.rollout_done(rows)
+    following = [c for c in task.next_batch(2) for _ in range(G)]
+    assert env._pending_reset is not None
+    assert [sid for _, _, sid in env._pending_reset[0]] == [c["init_state_id"] for c in following]
+    obs = env.reset(*_init_ids(following))  # collects the prefetched reset
+    assert env._pending_reset is None and obs.state.shape == (2 * G, 8)
+    assert make_task("tabletop", seed=0, num_workers=1, prefetch_resets=False).env_factory.upcoming is None
+    factory.close()
+
+
 def test_sft_batch_from_recorded_demos(demo_root):
     task = make_task("tabletop", seed=0, demos_per_task=2, demo_root=str(demo_root), chunk_size=8)
     batch = task.sft_batch(6, np.random.default_rng(0))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .env import ACTION_DIM, CAMERAS, STATE_DIM, make_tabletop_env
+from .env import ACTION_DIM, DEFAULT_CAMERAS, STATE_DIM, make_tabletop_env
 from .expert import make_expert
 from .tasks import get_task_def
 
@@ -45,7 +45,7 @@ class DemoInfo:
     failed_seeds: list[tuple[str, int]] = field(default_factory=list)  # expert failures, skipped
 
 
-def demo_features(image_size: int, cameras: Sequence[str] = CAMERAS) -> dict[str, dict]:
+def demo_features(image_size: int, cameras: Sequence[str] = DEFAULT_CAMERAS) -> dict[str, dict]:
     feats: dict[str, dict] = {
         f"observation.images.{c}": {"dtype": "image", "shape": (image_size, image_size, 3),
                                     "names": ["height", "width", "channels"]}
@@ -58,7 +58,7 @@ def demo_features(image_size: int, cameras: Sequence[str] = CAMERAS) -> dict[str
 
 def record_demos(task: str | Sequence[str], n_episodes: int | None = None, root: str | Path = "demos", seed: int = 0,
                  fps: int = 20, *, n_per_task: int | None = None, image_size: int = 64,
-                 cameras: Sequence[str] = CAMERAS, max_episode_steps: int | None = None,
+                 cameras: Sequence[str] = DEFAULT_CAMERAS, max_episode_steps: int | None = None,
                  max_tries_per_episode: int = 20) -> DemoInfo:
     """Record successful expert episodes of one or more tabletop tasks into `root` (must not exist).
 

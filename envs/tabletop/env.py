@@ -1,6 +1,6 @@
 """Gymnasium-style MuJoCo tabletop envs: `reach`, `push`, `pick_place`.
 
-Observation: `{"images": {"front": HxWx3 uint8, "wrist": HxWx3 uint8}, "state": float32[8]}` where
+Observation: `{"images": {"front" | "wrist" | "top" | "follow": HxWx3 uint8}, "state": float32[8]}` where
 state = tcp position (3), tcp velocity (3), finger openings (2). Action (7-D, in [-1, 1]): tcp delta
 position (3, scaled by `max_delta` metres), delta rotation (3, ignored: the gripper keeps a fixed
 orientation), gripper (-1 open ... +1 closed, the LIBERO convention). The episode terminates on
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .gl import select_gl_backend
+from .gl import close_at_exit, select_gl_backend
 
 select_gl_backend()
 
@@ -31,7 +31,8 @@ from .scene import (  # noqa: E402
 )
 from .tasks import COLORS, InitState, TaskDef, get_task_def, sample_init_state  # noqa: E402
 
-CAMERAS = ("front", "wrist")
+CAMERAS = ("front", "wrist", "top", "follow")
+DEFAULT_CAMERAS = ("front", "wrist")  # what an env renders unless told
 STATE_DIM = 8
 ACTION_DIM = 7
 # The servo target may lead the tcp by at most this much, so pressing into the table or a block
@@ -47,7 +48,7 @@ class TabletopEnv(gym.Env):
     task_name: str = ""
 
     def __init__(self, task: str | None = None, *, image_size: int | tuple[int, int] = 64,
-                 cameras: tuple[str, ...] = CAMERAS, max_delta: float = 0.02,
+                 cameras: tuple[str, ...] = DEFAULT_CAMERAS, max_delta: float = 0.02,
                  max_episode_steps: int | None = None, render_mode: str | None = "rgb_array"):
         task = task or self.task_name
         self.task_def: TaskDef = get_task_def(task)
@@ -148,6 +149,11 @@ class TabletopEnv(gym.Env):
         return self.data.site_xpos[self._tcp].copy()
 
     @property
+    def servo_target(self) -> np.ndarray:
+        """The commanded tcp position the position servos track (the measured tcp lags it)."""
+        return self._target.copy()
+
+    @property
     def finger_q(self) -> np.ndarray:
         return self.data.qpos[self._finger_qpos].copy()
 
@@ -172,6 +178,7 @@ class TabletopEnv(gym.Env):
         if self._renderer is None:
             # Created lazily, in the process that renders (GL contexts do not survive fork/pickle).
             self._renderer = mujoco.Renderer(self.model, self.height, self.width)
+            close_at_exit(self)
             self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
             self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
         out = {}

@@ -15,8 +15,10 @@ OPEN, CLOSED = -1.0, 1.0
 _SAFE_Z = 0.1  # travel height: fingertips clear every object
 
 
-def _toward(env: TabletopEnv, target: np.ndarray, gripper: float, gain: float = 1.0) -> np.ndarray:
-    delta = (np.asarray(target) - env.tcp_pos) / env.max_delta
+def _toward(env: TabletopEnv, target: np.ndarray, gripper: float, gain: float = 1.0,
+            origin: np.ndarray | None = None) -> np.ndarray:
+    """A proportional step from `origin` (default: the measured tcp) toward `target`."""
+    delta = (np.asarray(target) - (env.tcp_pos if origin is None else origin)) / env.max_delta
     action = np.zeros(7, np.float32)
     action[:3] = np.clip(gain * delta, -1.0, 1.0)
     action[6] = gripper
@@ -32,13 +34,18 @@ class Expert:
 
 
 class ReachExpert(Expert):
-    """Above the ball, then straight down with a closed gripper until the fingertips touch it."""
+    """Above the ball, then straight down with a closed gripper until the fingertips touch it.
+
+    It plans from the commanded (servo target) position, not the measured tcp, which lags it: so
+    once the command is over the ball its x/y actions are exactly 0, not small corrections of the
+    lag. Demonstrations then show a clear choice (move toward the ball or not) that a policy can
+    read from the image, instead of lag noise it cannot predict."""
 
     def act(self, env: TabletopEnv) -> np.ndarray:
-        ball, tcp = env.object_pos[0], env.tcp_pos
-        if np.linalg.norm(tcp[:2] - ball[:2]) > 0.012:
-            return _toward(env, [*ball[:2], max(tcp[2], _SAFE_Z)], CLOSED)
-        return _toward(env, [*ball[:2], 2 * BALL_RADIUS], CLOSED)  # fingertips 2 cm into the ball
+        ball, cmd = env.object_pos[0], env.servo_target
+        if np.linalg.norm(cmd[:2] - ball[:2]) > 0.012:
+            return _toward(env, [*ball[:2], max(cmd[2], _SAFE_Z)], CLOSED, origin=cmd)
+        return _toward(env, [*ball[:2], 2 * BALL_RADIUS], CLOSED, origin=cmd)  # fingertips 2 cm into the ball
 
 
 class PushExpert(Expert):

@@ -51,6 +51,9 @@ def _gripper() -> str:
         '<geom name="column" type="cylinder" fromto="0 0 0.05 0 0 0.5" size="0.01" contype="0" conaffinity="0"'
         ' mass="0.01" rgba="0.6 0.6 0.65 1"/>'
         '<camera name="wrist" pos="0 0 0.028" xyaxes="0 -1 0 1 0 0" fovy="80"/>'
+        # Overhead and gripper-centred (it rides on the gripper, far above it): the gripper is always
+        # at the image centre, so a target's pixel offset from the centre is its offset from the gripper.
+        '<camera name="follow" pos="0 0 1.9" xyaxes="1 0 0 0 1 0" fovy="16"/>'
         + finger.format(s="l", sign="", open=FINGER_OPEN)
         + finger.format(s="r", sign="-", open=FINGER_OPEN)
         + "</body>"
@@ -91,6 +94,9 @@ def build_mjcf(layout: SceneLayout) -> str:
     <light pos="0 -0.3 1.2" dir="0 0.25 -1" castshadow="false" diffuse="0.5 0.5 0.5"/>
     <geom name="table" type="plane" size="1.2 1.2 0.02" rgba="0.78 0.68 0.55 1" friction="1 0.01 0.001"/>
     <camera name="front" pos="0 -0.36 0.36" xyaxes="1 0 0 0 0.707 0.707" fovy="55"/>
+    <!-- Straight down from far above (nearly orthographic), framing the object area: pixel position is
+         table position, so a small vision tower can localise the target and the gripper. -->
+    <camera name="top" pos="0 0 2.0" xyaxes="1 0 0 0 1 0" fovy="14"/>
     {zones}{balls}{blocks}
     {_gripper()}
   </worldbody>

@@ -91,17 +91,45 @@ class _RobotTask:
     eval_samples: int
     eval_envs: int = 64  # episodes run at once in `evaluate` (bounds env count and frame memory)
     group_key: str = "task"
+    num_workers: int
+    prefetch_resets: bool = True
+    _last_batch: list[dict] | None = None  # the latest `next_batch`, for `upcoming_rows`
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, 17, epoch]).permutation(len(self.train))
 
-    def next_batch(self, n: int) -> list[dict]:
+    def _peek(self, start: int, n: int) -> list[dict]:
         out = []
-        for pos in range(self.cursor, self.cursor + n):
+        for pos in range(start, start + n):
             epoch, k = divmod(pos, len(self.train))
             out.append(dict(self.train[int(self._epoch_order(epoch)[k])]))
-        self.cursor += n
         return out
+
+    def next_batch(self, n: int) -> list[dict]:
+        out = self._peek(self.cursor, n)
+        self.cursor += n
+        self._last_batch = [dict(c) for c in out]
+        return out
+
+    def upcoming_rows(self, rows: list[dict]) -> list[dict] | None:
+        """If `rows` are G copies of each context of the latest `next_batch` (a training rollout),
+        the rows of the next one (the stream is a pure function of the cursor); else None."""
+        last = self._last_batch
+        if not last or len(rows) % len(last):
+            return None
+        G = len(rows) // len(last)
+        key = lambda c: tuple(c.get(k) for k in ("task", "suite", "task_id", "init_state_id"))  # noqa: E731
+        if [key(r) for r in rows] != [key(c) for c in last for _ in range(G)]:
+            return None
+        return [c for c in self._peek(self.cursor, len(last)) for _ in range(G)]
+
+    def make_vector_env(self, rows: list[dict]):
+        """The vector env for a batch of contexts (the policy's env hook; see `env_factory`)."""
+        return self.env_factory(rows)
+
+    def _upcoming(self):
+        """The factory's `upcoming` hook: only worker processes can reset while the policy trains."""
+        return self.upcoming_rows if self.prefetch_resets and self.num_workers > 0 else None
 
     def eval_batch(self, n: int) -> list[dict]:
         return [dict(c) for c in self.test[: min(n, len(self.test))]]
@@ -160,10 +188,13 @@ def _quiet_lerobot() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+DEMO_REVISION = 2  # bump when the experts change, so cached demos of an older expert are not reused
+
+
 def _demo_dir_name(tasks: Sequence[str], mode: str, count: int, seed: int, image_size: int,
                    cameras: Sequence[str]) -> str:
     per = "x" if mode == "episodes" else "per_instr"
-    return f"{'-'.join(tasks)}_{per}{count}_seed{seed}_{image_size}px_{'-'.join(cameras)}"
+    return f"{'-'.join(tasks)}_{per}{count}_seed{seed}_{image_size}px_{'-'.join(cameras)}_r{DEMO_REVISION}"
 
 
 def ensure_demos(root: Path, tasks: Sequence[str], mode: str, count: int, seed: int, image_size: int,
@@ -228,18 +259,6 @@ def load_sft_frames(root: Path, chunk_size: int, cameras: Sequence[str], task_of
 # ----------------------------------------------------------------------------- tabletop
 
 
-def _init_gl() -> None:
-    """Open (and free) one GL context before an in-process env factory registers its atexit close.
-    MuJoCo's EGL backend registers `eglTerminate` at exit when it first opens a display, and atexit
-    runs last-registered first: opened here, the display outlives the envs' close at exit, instead
-    of every renderer failing to free its context (a screenful of EGLError at interpreter exit)."""
-    import mujoco
-
-    if os.environ.get("MUJOCO_GL", "egl") in ("egl", "osmesa"):
-        ctx = mujoco.GLContext(1, 1)
-        ctx.free()
-
-
 def _instructions(task: str) -> list[str]:
     from mmrl.envs.tabletop import get_task_def
 
@@ -258,13 +277,14 @@ class TabletopTask(_RobotTask):
     SimpleVLA-RL); demo_root: where the demos live (default: a cache dir under the system temp dir
     named by the settings); image_size / cameras: what the env renders and the demos hold;
     num_workers: env worker processes (0 = in this process); eval_mode greedy | sampled | both and
-    eval_samples episodes per held-out state when sampled."""
+    eval_samples episodes per held-out state when sampled; prefetch_resets: with workers, reset
+    them to the next training batch's states while the policy update runs."""
 
     def __init__(self, seed: int = 0, tasks: Sequence[str] = ("reach",), n_train: int = 64, n_eval: int = 16,
                  demos_per_task: int = 10, demo_mode: str = "episodes", demo_root: str | None = None,
                  image_size: int = 64, cameras: Sequence[str] = ("front",), chunk_size: int = 8,
                  num_workers: int = 0, max_episode_steps: int | None = None, eval_mode: str = "sampled",
-                 eval_samples: int = 4):
+                 eval_samples: int = 4, prefetch_resets: bool = True):
         from mmrl.envs.tabletop import CAMERAS, TASK_NAMES
 
         tasks = [tasks] if isinstance(tasks, str) else list(tasks)
@@ -288,6 +308,7 @@ class TabletopTask(_RobotTask):
         self.demos_per_task, self.demo_mode = demos_per_task, demo_mode
         self.eval_mode, self.eval_samples = eval_mode, eval_samples
         self.num_workers, self.max_episode_steps = num_workers, max_episode_steps
+        self.prefetch_resets = bool(prefetch_resets)
         self._demo_root = Path(demo_root) if demo_root else None
         self._frames: list[dict] | None = None
         self._env_factory = None
@@ -311,19 +332,20 @@ class TabletopTask(_RobotTask):
 
     # ------------------------------------------------------------------ envs (the policy's env hook)
 
-    def make_vector_env(self, rows: list[dict]):
-        """The vector env for a batch of contexts; policies built by `from_config` use this hook, so
-        the image size and cameras are the task's (the demos were rendered with them)."""
+    @property
+    def env_factory(self):
+        """The vector envs of this task's contexts; policies built by `from_config` use it, so the
+        image size and cameras are the task's (the demos were rendered with them). With worker
+        processes and `prefetch_resets`, the next training batch's resets overlap the update."""
         if self._env_factory is None:
             from mmrl.policies.action_vla import VectorEnvFactory
 
-            if self.num_workers == 0:
-                _init_gl()
             extra = {"max_episode_steps": self.max_episode_steps} if self.max_episode_steps else {}
             # Training, greedy eval and sampled eval batches differ in size: keep one env set for each.
             self._env_factory = VectorEnvFactory("tabletop", num_workers=self.num_workers, image_size=self.image_size,
-                                                 cameras=self.cameras, cache_size=4, **extra)
-        return self._env_factory(rows)
+                                                 cameras=self.cameras, cache_size=4, upcoming=self._upcoming(),
+                                                 **extra)
+        return self._env_factory
 
     # ------------------------------------------------------------------ demos
 
@@ -362,7 +384,8 @@ class LiberoTask(_RobotTask):
     SimpleVLA-RL does: LIBERO has no separate training states); eval_trials: episodes per task in
     `evaluate`, on official states 0..eval_trials-1 (the standard protocol: 50 per task);
     demo_root: a local LIBERO LeRobotDataset for SFT (none is downloaded); image_size, cameras
-    (agentview, wrist), num_workers, assets_dir as for `LiberoEnv`."""
+    (agentview, wrist), num_workers, assets_dir as for `LiberoEnv`; prefetch_resets as for the
+    tabletop (LIBERO resets take seconds)."""
 
     group_key = "task_id"
 
@@ -370,7 +393,8 @@ class LiberoTask(_RobotTask):
                  train_states: int = 50, eval_trials: int = 50, demo_root: str | None = None,
                  image_size: int = 128, cameras: Sequence[str] = ("agentview",), chunk_size: int = 8,
                  num_workers: int = 0, assets_dir: str | None = None, max_episode_steps: int | None = None,
-                 eval_mode: str = "greedy", eval_samples: int = 1, instructions: Sequence[str] | None = None):
+                 eval_mode: str = "greedy", eval_samples: int = 1, instructions: Sequence[str] | None = None,
+                 prefetch_resets: bool = True):
         from mmrl.envs.libero_env import CAMERAS, suite_name
 
         self.suite = suite_name(suite)
@@ -389,6 +413,7 @@ class LiberoTask(_RobotTask):
         _check_choice("eval_mode", eval_mode, EVAL_MODES)
         self.seed, self.task_ids, self.cameras = seed, task_ids, list(cameras)
         self.image_size, self.chunk_size, self.num_workers = image_size, chunk_size, num_workers
+        self.prefetch_resets = bool(prefetch_resets)
         self.assets_dir, self.max_episode_steps = assets_dir, max_episode_steps
         self.eval_mode, self.eval_samples, self.eval_trials = eval_mode, eval_samples, eval_trials
         self.demo_root = Path(demo_root) if demo_root else None
@@ -411,15 +436,17 @@ class LiberoTask(_RobotTask):
             self._instructions = [names[t] for t in self.task_ids]
         return list(self._instructions)
 
-    def make_vector_env(self, rows: list[dict]):
+    @property
+    def env_factory(self):
         if self._env_factory is None:
             from mmrl.policies.action_vla import VectorEnvFactory
 
             extra = {k: v for k, v in (("assets_dir", self.assets_dir), ("max_episode_steps", self.max_episode_steps))
                      if v is not None}
             self._env_factory = VectorEnvFactory("libero", num_workers=self.num_workers, image_size=self.image_size,
-                                                 cameras=self.cameras, cache_size=4, **extra)
-        return self._env_factory(rows)
+                                                 cameras=self.cameras, cache_size=4, upcoming=self._upcoming(),
+                                                 **extra)
+        return self._env_factory
 
     def evaluate(self, policy, n: int) -> dict[str, float]:
         """The paper protocol: `eval_trials` episodes per task (n is ignored)."""

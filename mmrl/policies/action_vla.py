@@ -116,13 +116,18 @@ class VectorEnvFactory:
     """Builds the vector env for a list of per-trajectory contexts and caches the last
     `cache_size` of them (worker processes and MuJoCo models are slow to start), keyed by the env
     each row needs. `kind` "tabletop" (context "task") or "libero" (context "suite", "task_id");
-    `num_workers` 0 steps the envs in this process (SyncVectorEnv), > 0 in worker processes."""
+    `num_workers` 0 steps the envs in this process (SyncVectorEnv), > 0 in worker processes.
+
+    `upcoming(rows)`, if given, names the rows of the rollout that will follow one of `rows` (or
+    None): `rollout_done` then starts those envs' reset at once, so the worker processes reset while
+    the policy trains, and the next rollout finds its first observations ready."""
 
     def __init__(self, kind: str = "tabletop", num_workers: int = 0, image_size: int = 64,
-                 cameras: Sequence[str] | None = None, cache_size: int = 2, **env_kwargs):
+                 cameras: Sequence[str] | None = None, cache_size: int = 2,
+                 upcoming: Callable[[list[dict]], list[dict] | None] | None = None, **env_kwargs):
         if kind not in ("tabletop", "libero"):
             raise ValueError(f"unknown env kind {kind!r}; valid: tabletop, libero")
-        self.kind, self.num_workers, self.cache_size = kind, num_workers, cache_size
+        self.kind, self.num_workers, self.cache_size, self.upcoming = kind, num_workers, cache_size, upcoming
         self.env_kwargs = {"image_size": image_size, **({"cameras": tuple(cameras)} if cameras else {}), **env_kwargs}
         self._cache: OrderedDict[str, Any] = OrderedDict()
         # Close cached envs before interpreter teardown: renderers freed after their GL module is
@@ -155,9 +160,25 @@ class VectorEnvFactory:
             self._cache.popitem(last=False)[1].close()
         return env
 
+    def prefetch(self, rows: list[dict]) -> None:
+        """Start resetting the env set of `rows` to their initial states without waiting."""
+        self(rows).reset_async(*_init_ids(rows))
+
+    def rollout_done(self, rows: list[dict]) -> None:
+        """`run_episodes` calls this when the episodes of `rows` have ended."""
+        following = self.upcoming(rows) if self.upcoming is not None else None
+        if following:
+            self.prefetch(following)
+
     def close(self) -> None:
         while self._cache:
             self._cache.popitem()[1].close()
+
+
+def task_env_factory(task) -> Callable[[list[dict]], Any] | None:
+    """The env hook a task offers policies: its `env_factory` (a VectorEnvFactory that can also
+    prefetch resets), else its `make_vector_env(rows)` method, else None."""
+    return getattr(task, "env_factory", None) or getattr(task, "make_vector_env", None)
 
 
 def _init_ids(rows: list[dict]) -> tuple[list[int | None], list[int | None]]:
@@ -238,6 +259,9 @@ def run_episodes(env_factory: Callable[[list[dict]], Any] | None, rows: list[dic
             hist_img[i].append(images[i])
             hist_state[i].append(states[i])
         done, success = np.asarray(step.done, bool), np.asarray(step.success, bool)
+    hook = getattr(env_factory, "rollout_done", None)
+    if hook is not None:  # e.g. start the next batch's resets, to overlap the policy update
+        hook(rows)
     return Episodes(rows=rows, steps=steps, images=[np.stack(h) for h in hist_img],
                     states=[np.stack(h) for h in hist_state], done=done, success=success, env_steps=env_steps)
 
@@ -309,7 +333,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         """`model.source: tiny` builds a tiny Qwen-VL (`model.params.arch`, sizes in `model.tiny`) with
         a local tokenizer plus `<act_i>` tokens; `pretrained` loads `model.path` (a directory saved by
         `save`, or a plain Qwen-VL checkpoint with `action_tokens: vocab_tail`). The env comes from
-        `task.make_vector_env` when the task has one, else from `model.params.env` (VectorEnvFactory
+        the task when it has one (`task_env_factory`), else from `model.params.env` (VectorEnvFactory
         kwargs)."""
         m, params = cfg.model, dict(cfg.model.params)
         unknown = set(params) - POLICY_PARAMS - BUILD_PARAMS
@@ -341,7 +365,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         if freeze_vision:
             _rope_owner(model).visual.requires_grad_(False)
         model = apply_lora(model, m).to(device)
-        env_factory = getattr(task, "make_vector_env", None) or VectorEnvFactory(**env_cfg)
+        env_factory = task_env_factory(task) or VectorEnvFactory(**env_cfg)
         return cls(model, processor, temperature=cfg.sampling.temperature, env_factory=env_factory,
                    **{**saved, **params})
 
@@ -599,4 +623,5 @@ __all__ = [
     "action_token_names",
     "add_action_tokens",
     "run_episodes",
+    "task_env_factory",
 ]

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
-from mmrl.policies.action_vla import VectorEnvFactory, _image_hwc, _np, run_episodes
+from mmrl.policies.action_vla import VectorEnvFactory, _image_hwc, _np, run_episodes, task_env_factory
 from mmrl.policies.base import PolicyBase
 from mmrl.rollout import Rollout
 
@@ -162,7 +162,7 @@ class SmolVLAPolicy(PolicyBase):
             raise ValueError(f"model.params: unknown key(s) {sorted(unknown)} for smolvla; valid: "
                              f"{', '.join(sorted(POLICY_PARAMS))}")
         env_cfg = params.pop("env", {})
-        env_factory = getattr(task, "make_vector_env", None) or VectorEnvFactory(**env_cfg)
+        env_factory = task_env_factory(task) or VectorEnvFactory(**env_cfg)
         policy_kw = {k: params.pop(k) for k in ("eta", "num_steps", "n_action_steps", "cameras", "max_chunks",
                                                 "batched_recompute") if k in params}
         dev = str(torch.device(device))
