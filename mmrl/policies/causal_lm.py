@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from mmrl.policies.base import PolicyBase, apply_lora
-from mmrl.rollout import Rollout, positions_from_mask, sample_tokens, token_logprobs
+from mmrl.policies.fast_decode import FastDecoder, completion_logprobs
+from mmrl.rollout import Rollout, sample_tokens
 
 
 class CausalLMPolicy(PolicyBase):
@@ -37,8 +38,6 @@ class CausalLMPolicy(PolicyBase):
         self.reference = None
         self._fast = None
         if fast_decode:
-            from mmrl.policies.fast_decode import FastDecoder
-
             self._fast = FastDecoder.maybe(model)
 
     # ------------------------------------------------------------------ construction
@@ -126,19 +125,9 @@ class CausalLMPolicy(PolicyBase):
 
     def _token_logprobs(self, model: nn.Module, prompt_ids, prompt_mask, units, with_entropy: bool,
                         temperature: float | None = None):
-        T = units.shape[1]
-        ids = torch.cat([prompt_ids, units], 1)
-        attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
-        # Only the T positions that predict a completion token are projected to the vocabulary.
-        if self._fast is not None and model is self.model and not (model.training and self._fast.dropout > 0):
-            logits = self._fast.forward_logits(ids, attn, keep_last=T + 1)[:, :-1].float()
-        else:
-            logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
-                           use_cache=False, logits_to_keep=T + 1).logits[:, :-1].float()
-        temperature = self.temperature if temperature is None else temperature
-        if temperature != 1.0:
-            logits = logits / temperature
-        return token_logprobs(logits, units, self._suppress.to(logits.device), with_entropy)
+        return completion_logprobs(model, self._fast, prompt_ids, prompt_mask, units,
+                                   temperature=self.temperature if temperature is None else temperature,
+                                   suppress=self._suppress, with_entropy=with_entropy)
 
     def logprobs(self, rollout: Rollout, with_entropy: bool = False):
         e = rollout.extras

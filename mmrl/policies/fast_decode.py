@@ -15,7 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmrl.rollout import SampleOutput, positions_from_mask, sample_tokens
+from mmrl.rollout import (
+    SampleOutput,
+    positions_from_mask,
+    sample_tokens,
+    token_logprobs,
+)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
@@ -136,6 +141,27 @@ class FastDecoder:
     def sample(self, input_ids, attention_mask, **kwargs) -> SampleOutput:
         stepper = _StaticCacheStepper(self, max_len=input_ids.shape[1] + kwargs["max_new_tokens"])
         return sample_tokens(self.model, input_ids, attention_mask, stepper=stepper, **kwargs)
+
+
+def completion_logprobs(model, fast: FastDecoder | None, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                        units: torch.Tensor, *, temperature: float, suppress: torch.Tensor,
+                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Teacher-forced log-probs (and entropy) of `units` [N, T] after left-padded prompts, under
+    softmax(logits / temperature) with `suppress` ids removed. The lean decoder runs when `fast`
+    wraps `model` (gradients flow to its parameters); anything else (a frozen reference copy,
+    dropout in training) takes the HF forward. Only the T positions that predict a unit are
+    projected to the vocabulary."""
+    T = units.shape[1]
+    ids = torch.cat([prompt_ids, units], 1)
+    attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
+    if fast is not None and fast.model is model and not (model.training and fast.dropout > 0):
+        logits = fast.forward_logits(ids, attn, keep_last=T + 1)[:, :-1].float()
+    else:
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), use_cache=False,
+                       logits_to_keep=T + 1).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logprobs(logits, units, suppress.to(logits.device), with_entropy)
 
 
 def _causal_padding_mask(attention_mask: torch.Tensor, S: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.rollout import Rollout, positions_from_mask, sample_tokens, token_logprobs
+from mmrl.policies.fast_decode import FastDecoder, completion_logprobs
+from mmrl.rollout import Rollout, sample_tokens
 
 from .configuration import TINY_LLAMA, VisualPlannerConfig, Vocabulary
 from .vq import VQTokenizer, train_vq
@@ -64,11 +65,10 @@ class VisualPlannerPolicy:
         self.top_p = top_p
         # everything that is neither a code nor VOID, including any LM rows beyond the vocabulary
         self.suppress_token_ids = vocab.special_ids + list(range(vocab.size, lm.config.vocab_size))
+        self._suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long)
         self.reference: nn.Module | None = None
         self._fast = None
         if fast_decode:
-            from mmrl.policies.fast_decode import FastDecoder
-
             self._fast = FastDecoder.maybe(lm)
 
     @property
@@ -247,19 +247,11 @@ class VisualPlannerPolicy:
 
     def _token_logprobs(self, lm: nn.Module, prompt_ids, prompt_mask, units, with_entropy: bool,
                         temperature: float | None = None):
-        T = units.shape[1]
-        ids = torch.cat([prompt_ids, units], 1)
-        attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
-        # The lean decoder (same weights, gradients flow back) for the policy's own LM: it is the
-        # bulk of every GRPO update and SFT step. The frozen reference copy takes the HF forward.
-        if self._fast is not None and lm is self.lm and not (lm.training and self._fast.dropout > 0):
-            logits = self._fast.forward_logits(ids, attn, keep_last=T + 1)[:, :-1].float()
-        else:
-            logits = lm(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), use_cache=False,
-                        logits_to_keep=T + 1).logits[:, :-1].float()
-        logits = logits / (self.temperature if temperature is None else temperature)
-        suppress = torch.tensor(self.suppress_token_ids, device=logits.device)
-        return token_logprobs(logits, units, suppress, with_entropy)
+        # The lean decoder for the policy's own LM (the bulk of every GRPO update and SFT step);
+        # the frozen reference copy takes the HF forward.
+        return completion_logprobs(lm, self._fast, prompt_ids, prompt_mask, units,
+                                   temperature=self.temperature if temperature is None else temperature,
+                                   suppress=self._suppress, with_entropy=with_entropy)
 
     def logprobs(self, rollout: Rollout, with_entropy: bool = False):
         e = rollout.extras
