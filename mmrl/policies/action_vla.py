@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.policies.base import apply_lora
+from mmrl.policies.base import apply_lora, check_model_params
 from mmrl.policies.qwen_vl import (
     QwenVLPolicy,
     VLStepper,
@@ -336,10 +336,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         the task when it has one (`task_env_factory`), else from `model.params.env` (VectorEnvFactory
         kwargs)."""
         m, params = cfg.model, dict(cfg.model.params)
-        unknown = set(params) - POLICY_PARAMS - BUILD_PARAMS
-        if unknown:
-            raise ValueError(f"model.params: unknown key(s) {sorted(unknown)} for the action VLA; valid: "
-                             f"{', '.join(sorted(POLICY_PARAMS | BUILD_PARAMS))}")
+        check_model_params(params, POLICY_PARAMS | BUILD_PARAMS, "the action VLA")
         dtype = getattr(torch, m.dtype)
         arch = params.pop("arch", "qwen2_5_vl")
         freeze_vision = params.pop("freeze_vision", False)

@@ -98,6 +98,14 @@ class PolicyBase:
         return disabled()
 
 
+def check_model_params(params: dict, valid: set[str], policy: str) -> None:
+    """`model.params` keys a policy does not know are an error naming them and the valid ones."""
+    unknown = set(params) - valid
+    if unknown:
+        raise ValueError(f"model.params: unknown key(s) {sorted(unknown)} for {policy}; valid: "
+                         f"{', '.join(sorted(valid))}")
+
+
 def apply_lora(model: nn.Module, model_cfg) -> nn.Module:
     """Wrap `model` with LoRA adapters when `model.lora_rank > 0` (peft); otherwise return it."""
     if model_cfg.lora_rank <= 0:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.policies.base import PolicyBase, apply_lora
+from mmrl.policies.base import PolicyBase, apply_lora, check_model_params
 from mmrl.rollout import Rollout, sample_tokens, token_logprobs
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
@@ -183,10 +183,7 @@ class QwenVLPolicy(PolicyBase):
         """`model.source: tiny` builds a tiny model (`model.params.arch`, sizes in `model.tiny`) with a
         tokenizer trained on the task's text; `pretrained` loads `model.path`."""
         m, params = cfg.model, dict(cfg.model.params)
-        unknown = set(params) - POLICY_PARAMS - BUILD_PARAMS
-        if unknown:
-            raise ValueError(f"model.params: unknown key(s) {sorted(unknown)} for a Qwen-VL policy; valid: "
-                             f"{', '.join(sorted(POLICY_PARAMS | BUILD_PARAMS))}")
+        check_model_params(params, POLICY_PARAMS | BUILD_PARAMS, "a Qwen-VL policy")
         dtype = getattr(torch, m.dtype)
         arch = params.pop("arch", "qwen2_5_vl")
         if m.source == "pretrained":

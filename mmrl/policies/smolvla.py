@@ -34,7 +34,7 @@ from torch import nn
 
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
 from mmrl.policies.action_vla import VectorEnvFactory, _image_hwc, _np, run_episodes, task_env_factory
-from mmrl.policies.base import PolicyBase
+from mmrl.policies.base import PolicyBase, check_model_params
 from mmrl.rollout import Rollout
 
 CONFIG_NAME = "mmrl_smolvla.json"
@@ -157,10 +157,7 @@ class SmolVLAPolicy(PolicyBase):
         """`model.source: tiny` builds a tiny SmolVLA offline in `<train.output_dir>/tiny_smolvla`
         (sizes in `model.params`); `pretrained` loads `model.path` saved by `save` or by lerobot."""
         m, params = cfg.model, dict(cfg.model.params)
-        unknown = set(params) - POLICY_PARAMS
-        if unknown:
-            raise ValueError(f"model.params: unknown key(s) {sorted(unknown)} for smolvla; valid: "
-                             f"{', '.join(sorted(POLICY_PARAMS))}")
+        check_model_params(params, POLICY_PARAMS, "smolvla")
         env_cfg = params.pop("env", {})
         env_factory = task_env_factory(task) or VectorEnvFactory(**env_cfg)
         policy_kw = {k: params.pop(k) for k in ("eta", "num_steps", "n_action_steps", "cameras", "max_chunks",
