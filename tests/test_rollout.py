@@ -166,3 +166,36 @@ def test_sampler_draws_match_the_distribution():
     freq = torch.bincount(out.tokens[:, 0], minlength=5).float() / n
     assert freq[0] == 0 and freq[4] == 0
     assert torch.allclose(freq[1:4], torch.tensor([0.5, 0.3, 0.2]), atol=0.015)
+
+
+def test_shared_prompt_pass_equals_one_pass_per_row(tiny_lm):
+    """Rows with the same prompt share one prompt pass in the lean teacher-forced forward; the
+    log-probs and gradients must be those of a full pass per row, whatever the row order."""
+    model, _ = tiny_lm
+    fast = FastDecoder(model)
+    gen = torch.Generator().manual_seed(5)
+    prompt_ids = torch.randint(3, 250, (3, 7), generator=gen)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :3] = 0  # left padding of different lengths
+    prompt_mask[2, :1] = 0
+    order = torch.tensor([2, 0, 1, 0, 2, 1, 1, 0])  # groups interleaved, as after a mini-batch shuffle
+    ids, mask = prompt_ids[order], prompt_mask[order]
+    units = torch.randint(3, 250, (len(order), 5), generator=gen)
+    results = []
+    for shared in (True, False):
+        model.zero_grad()
+        if shared:
+            logits = fast.completion_logits(ids, mask, units)
+        else:
+            full = torch.cat([ids, units], 1)
+            logits = fast.forward_logits(full, torch.cat([mask, torch.ones_like(units)], 1), keep_last=6)[:, :-1]
+        logits.float().log_softmax(-1).gather(-1, units[..., None]).sum().backward()
+        results.append((logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+    (shared_logits, shared_grads), (row_logits, row_grads) = results
+    assert shared_logits.shape == (8, 5, model.config.vocab_size)
+    torch.testing.assert_close(shared_logits, row_logits, atol=1e-5, rtol=1e-5)
+    assert shared_grads.keys() == row_grads.keys()
+    for k in row_grads:
+        torch.testing.assert_close(shared_grads[k], row_grads[k], atol=1e-5, rtol=1e-4)
+    # one completion token: the prompt pass alone
+    torch.testing.assert_close(fast.completion_logits(ids, mask, units[:, :1]), row_logits[:, :1], atol=1e-5, rtol=1e-5)

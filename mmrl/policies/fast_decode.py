@@ -94,9 +94,12 @@ class FastDecoder:
     # ------------------------------------------------------------------ the decoder
 
     def hidden(self, layers: list[dict], ids: torch.Tensor, cos, sin, attn_mask: torch.Tensor,
-               cache: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
+               cache: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+               kv_out: list | None = None, prefix: tuple[list, torch.Tensor] | None = None) -> torch.Tensor:
         """Final-norm hidden states `[B, S, H]`. With `cache` (k, v buffers `[L, B, Hkv, Tmax, D]`),
-        keys/values of positions `start:start+S` are written there and attention reads `:start+S`."""
+        keys/values of positions `start:start+S` are written there and attention reads `:start+S`.
+        `kv_out` collects each layer's (k, v) (with gradient); `prefix` = (such a list, row index
+        [B]) puts row `prefix_index[b]`'s prefix keys/values before row b's own."""
         B, S = ids.shape
         nq, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         emb = self.model.model.embed_tokens
@@ -118,6 +121,11 @@ class FastDecoder:
                 k_cache[i, :, :, start:end] = k
                 v_cache[i, :, :, start:end] = v
                 k, v = k_cache[i, :, :, :end], v_cache[i, :, :, :end]
+            if kv_out is not None:
+                kv_out.append((k, v))
+            if prefix is not None:
+                (pk, pv), index = prefix[0][i], prefix[1]
+                k, v = torch.cat([pk[index], k], 2), torch.cat([pv[index], v], 2)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=L["scaling"], enable_gqa=nkv != nq)
             h = h + F.linear(o.transpose(1, 2).reshape(B, S, -1), L["o_w"], L["o_b"])
             x = _rms_norm(h, L["ln2"], self.eps)
@@ -137,6 +145,35 @@ class FastDecoder:
         h = self.hidden(self.fused_layers(), input_ids, cos, sin, mask)
         return self.logits(h[:, S - keep_last:])
 
+    def completion_logits(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits `[N, T, V]` that predict `units` [N, T] after left-padded prompts,
+        with gradient. Rows with the same prompt (a GRPO group) share one prompt pass, and their
+        completions attend to its keys and values: a group of G then costs one prompt, not G."""
+        N, T = units.shape
+        key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1)
+        unique, index = torch.unique(key, dim=0, return_inverse=True)
+        if len(unique) == N:  # nothing shared: one pass over prompt + completion
+            ids = torch.cat([prompt_ids, units], 1)
+            attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
+            return self.forward_logits(ids, attn, keep_last=T + 1)[:, :-1]
+        Lp = prompt_ids.shape[1]
+        p_ids, p_mask = unique[:, :Lp], unique[:, Lp:].to(prompt_mask.dtype)
+        layers = self.fused_layers()
+        p_pos = positions_from_mask(p_mask)
+        cos, sin = self.rope(p_pos)
+        prefix_kv: list = []
+        h = self.hidden(layers, p_ids, cos, sin, _causal_padding_mask(p_mask, Lp), kv_out=prefix_kv)
+        first = self.logits(h[:, -1])[index]  # the last prompt position predicts the first unit
+        if T == 1:
+            return first[:, None]
+        S = T - 1  # the last unit predicts nothing we score
+        pos = p_pos[index, -1:] + torch.arange(1, S + 1, device=units.device)
+        cos, sin = self.rope(pos)
+        causal = torch.ones(S, S, dtype=torch.bool, device=units.device).tril()
+        mask = torch.cat([p_mask.bool()[index][:, None, None, :].expand(N, 1, S, Lp), causal.expand(N, 1, S, S)], -1)
+        h = self.hidden(layers, units[:, :-1], cos, sin, mask, prefix=(prefix_kv, index))
+        return torch.cat([first[:, None], self.logits(h)], 1)
+
     @torch.no_grad()
     def sample(self, input_ids, attention_mask, **kwargs) -> SampleOutput:
         stepper = _StaticCacheStepper(self, max_len=input_ids.shape[1] + kwargs["max_new_tokens"])
@@ -150,13 +187,13 @@ def completion_logprobs(model, fast: FastDecoder | None, prompt_ids: torch.Tenso
     softmax(logits / temperature) with `suppress` ids removed. The lean decoder runs when `fast`
     wraps `model` (gradients flow to its parameters); anything else (a frozen reference copy,
     dropout in training) takes the HF forward. Only the T positions that predict a unit are
-    projected to the vocabulary."""
+    projected to the vocabulary; the lean decoder runs each distinct prompt once."""
     T = units.shape[1]
-    ids = torch.cat([prompt_ids, units], 1)
-    attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
     if fast is not None and fast.model is model and not (model.training and fast.dropout > 0):
-        logits = fast.forward_logits(ids, attn, keep_last=T + 1)[:, :-1].float()
+        logits = fast.completion_logits(prompt_ids, prompt_mask, units).float()
     else:
+        ids = torch.cat([prompt_ids, units], 1)
+        attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), use_cache=False,
                        logits_to_keep=T + 1).logits[:, :-1].float()
     if temperature != 1.0:
