@@ -72,6 +72,9 @@ class AlgoConfig:
     beta: float = 0.0  # KL to the reference policy; 0 loads no reference model
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
     entropy_coef: float = 0.0
+    # < 1: the policy gradient only on this share of tokens, the highest-entropy ones of each
+    # forward pass (the mini-batch, or each micro-batch with train.micro_batch_size)
+    entropy_top_frac: float = 1.0
     # Shaping and sampling (ALGORITHMS.md, "Reward shaping and sampling").
     dynamic_sampling: bool = False
     max_sampling_tries: int = 4
@@ -95,6 +98,9 @@ class SFTConfig:
     batch_size: int = 32
     lr: float = 3e-3
     examples: int = 2000
+    # > 0: stop SFT once its loop has used this many CPU-seconds (process time), whichever of the
+    # two limits comes first: baselines trained for the same compute as another run
+    max_cpu_s: float = 0.0
 
 
 @dataclass
@@ -300,6 +306,7 @@ def validate(cfg: RunConfig) -> None:
     _check(s.temperature > 0, f"sampling.temperature must be > 0, got {s.temperature}")
     _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
     _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
+    _check(cfg.sft.max_cpu_s >= 0, f"sft.max_cpu_s must be >= 0 (0 = no limit), got {cfg.sft.max_cpu_s}")
     _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
     _check(t.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {t.prompts_per_step}")
     _check(t.ppo_epochs >= 1, f"train.ppo_epochs must be >= 1, got {t.ppo_epochs}")
@@ -310,6 +317,7 @@ def validate(cfg: RunConfig) -> None:
            f"train.device: invalid value {t.device!r}; valid: auto, cpu, cuda, cuda:N")
     _check(len(t.betas) == 2, f"train.betas must be two numbers, got {t.betas}")
     _check(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
+    _check(0 < a.entropy_top_frac <= 1, f"algo.entropy_top_frac must be in (0, 1] (1 = every token), got {a.entropy_top_frac}")
     _check(a.overlong_cache_len < s.max_new_tokens or a.overlong_cache_len == 0,
            f"algo.overlong_cache_len ({a.overlong_cache_len}) must be below sampling.max_new_tokens ({s.max_new_tokens})")
     _check(a.gfpo_keep == 0 or 1 <= a.gfpo_keep < s.group_size,

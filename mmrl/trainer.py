@@ -126,7 +126,10 @@ class Trainer:
         opt = make_adamw(self.params, lr=s.lr)
         self.policy.model.train()
         bar = _progress(range(s.steps), "sft", self.cfg.train.progress)
+        cpu_start, done = time.process_time(), 0
         for i in bar:
+            if s.max_cpu_s > 0 and time.process_time() - cpu_start >= s.max_cpu_s:
+                break
             with self.autocast:
                 loss = self.policy.sft_loss(self.task.sft_batch(s.batch_size, rng))
             opt.zero_grad(set_to_none=True)
@@ -136,6 +139,10 @@ class Trainer:
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss.item():.3f}")
             self.log.log({"sft/loss": loss.item()}, step=i, prefix_step="sft_step")
+            done = i + 1
+        # how much SFT ran: with sft.max_cpu_s, possibly fewer than sft.steps
+        self.log.log({"sft/steps_done": done, "sft/cpu_s": time.process_time() - cpu_start}, step=done,
+                     prefix_step="sft_step")
         self.sft_done = True
 
     # ------------------------------------------------------------------ rollouts and rewards
@@ -251,7 +258,8 @@ class Trainer:
                     with self.autocast:
                         logp, entropy = self.policy.logprobs(part, with_entropy=True)
                     m = mask[micro]
-                    loss, metrics = algos.policy_loss(a.loss, logp, old_logp[micro], adv[micro], m,
+                    pg_mask = m if a.entropy_top_frac >= 1.0 else algos.high_entropy_tokens(entropy, m, a.entropy_top_frac)
+                    loss, metrics = algos.policy_loss(a.loss, logp, old_logp[micro], adv[micro], pg_mask,
                                                       denominator=denom, agg=self.agg,
                                                       **{k: v for k, v in self.loss_params.items() if k != "agg"})
                     if ref_logp is not None:

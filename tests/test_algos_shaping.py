@@ -122,3 +122,19 @@ def test_success_rate_filter():
     assert success_rate_filter(s, g, 0.0, 1.0).all()
     with pytest.raises(AlgorithmError, match="low <= high"):
         success_rate_filter(s, g, 0.9, 0.1)
+
+
+def test_high_entropy_tokens_keeps_the_top_share_of_masked_tokens():
+    from mmrl.algos.shaping import high_entropy_tokens
+
+    ent = T([[0.9, 0.1, 0.5, 5.0], [0.3, 0.8, 0.05, 0.7]])
+    mask = T([[1, 1, 1, 0], [1, 1, 1, 1]]).bool()  # 5.0 sits on padding: never chosen
+    keep = high_entropy_tokens(ent, mask, 0.3)  # ceil(0.3 * 7) = 3 tokens
+    assert keep.tolist() == [[True, False, False, False], [False, True, False, True]]
+    assert torch.equal(high_entropy_tokens(ent, mask, 1.0), mask)
+    assert int(high_entropy_tokens(ent, mask, 0.01).sum()) == 1  # at least one token
+    assert not high_entropy_tokens(ent, torch.zeros_like(mask), 0.5).any()
+    with pytest.raises(AlgorithmError, match="top_frac"):
+        high_entropy_tokens(ent, mask, 0.0)
+    with pytest.raises(AlgorithmError, match="shape"):
+        high_entropy_tokens(ent, mask[:, :3], 0.5)

@@ -188,3 +188,29 @@ def test_several_epochs_and_mini_batches_clip_off_policy_ratios(tmp_path):
     assert m["train/ratio_max"] > 1.0 or m["train/ratio_min"] < 1.0
     assert m["train/clip_frac"] > 0
     assert trainer.scheduler.last_epoch == 6  # 3 epochs x 2 mini-batches = 6 optimizer steps
+
+
+def test_entropy_top_frac_restricts_the_policy_gradient_to_high_entropy_tokens(tmp_path, monkeypatch):
+    import mmrl.algos as algos
+
+    seen = []
+    real = algos.policy_loss
+
+    def spy(name, logp, old_logp, adv, mask, **kw):
+        logp.retain_grad()
+        seen.append((logp, mask))
+        return real(name, logp, old_logp, adv, mask, **kw)
+
+    monkeypatch.setattr(algos, "policy_loss", spy)
+    trainer = build(make_cfg(tmp_path, algo={"entropy_top_frac": 0.25}))
+    rollout, _ = trainer.collect()
+    with torch.no_grad():
+        _, entropy = trainer.policy.logprobs(rollout, with_entropy=True)
+    trainer.update(rollout)
+    logp, pg_mask = seen[0]
+    full = rollout.mask
+    assert int(pg_mask.sum()) == int(np.ceil(0.25 * int(full.sum())))
+    assert not (pg_mask & ~full).any()
+    # the kept tokens are the highest-entropy ones; the others get no policy gradient
+    assert entropy[pg_mask].min() >= entropy[full & ~pg_mask].max() - 1e-6
+    assert torch.all(logp.grad[~pg_mask] == 0) and logp.grad[pg_mask].abs().sum() > 0

@@ -21,6 +21,7 @@ from . import shaping
 from .shaping import (
     gfpo_advantages,
     gfpo_keep,
+    high_entropy_tokens,
     mask_truncated,
     nonconstant_groups,
     overlong_penalty,
@@ -46,6 +47,7 @@ __all__ = [
     "get_loss_spec",
     "gfpo_advantages",
     "gfpo_keep",
+    "high_entropy_tokens",
     "kl_penalty",
     "kto_loss",
     "list_algorithms",

@@ -6,13 +6,14 @@ batch holds enough groups with `nonconstant_groups`; GFPO's oversampling) live i
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .advantages import GROUP_EPS, Groups, _prep_rewards, _zscore, groups_from_slots, make_groups
-from .registry import AlgorithmError, check_finite, unknown_name_error
+from .registry import AlgorithmError, as_bool_mask, check_finite, unknown_name_error
 
 __all__ = [
     "overlong_penalty",
@@ -23,6 +24,7 @@ __all__ = [
     "redit",
     "success_rate_filter",
     "rank_within_group",
+    "high_entropy_tokens",
 ]
 
 
@@ -138,3 +140,22 @@ def success_rate_filter(success: Any, group_ids: Tensor, low: float, high: float
     g = make_groups(group_ids, n=s.shape[0], device=s.device)
     rate = g.gather(g.mean(s))
     return (rate >= low) & (rate <= high)
+
+
+def high_entropy_tokens(entropy: Tensor, mask: Tensor, top_frac: float) -> Tensor:
+    """The "forking tokens" of Wang et al. 2025 (arXiv 2506.01939), bool [N, T]: the `top_frac`
+    share of masked-in tokens with the highest entropy (ties at the threshold are kept).
+
+    The policy gradient over only these tokens leaves the near-certain ones alone: a negative
+    advantage then cannot push down tokens the policy had right (e.g. the copied cells of a drawn
+    frame), which is what makes one-step GRPO on a small model collapse.
+    """
+    if not 0.0 < top_frac <= 1.0:
+        raise AlgorithmError(f"top_frac must be in (0, 1], got {top_frac}")
+    m = as_bool_mask(mask, entropy.shape)
+    n = int(m.sum())
+    if top_frac == 1.0 or n == 0:
+        return m
+    k = max(1, math.ceil(top_frac * n))
+    threshold = entropy.detach()[m].float().topk(k).values[-1]
+    return m & (entropy.detach().float() >= threshold)
