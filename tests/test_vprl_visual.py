@@ -1,5 +1,6 @@
 """VPRL visual mode: VQ tokenizer, the planning task, the vprl_progress reward and the visual planner."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from mmrl.envs import make_task
 from mmrl.envs.planning import Layout, parse_batch_array, render_state
 from mmrl.envs.planning.frozenlake import from_text
 
-from mmrl.config import config_from_dict
+from mmrl.config import ConfigError, config_from_dict
 from mmrl.policies import build_policy
 from mmrl.policies.visual_planner import VQConfig, train_vq
 from mmrl.policies.visual_planner.modeling import VisualPlannerPolicy
@@ -78,6 +79,35 @@ def test_task_contexts_and_targets():
     ctx = opt.sft_batch(100, np.random.default_rng(1))
     for c in ctx:
         assert c["layout"].dist_of(c["target_state"]) == c["layout"].dist_of(c["state"]) - 1
+
+
+def _steps_from_start(task, c) -> int:
+    """BFS distance from the layout's start to the context's state over the task's state graph."""
+    g = task.graph(c["layout_id"], c["layout"])
+    target = int(np.flatnonzero((g.states == c["state"]).all(1))[0])
+    seen, frontier, steps = {0}, {0}, 0
+    while target not in frontier:
+        frontier = {int(t) for s in frontier for t in g.next[s] if t >= 0} - seen
+        seen |= frontier
+        steps += 1
+    return steps
+
+
+def test_rl_states_on_optimal_paths():
+    """rl_states=optimal_path: every RL state lies on a shortest plan from its layout's start."""
+    kw = dict(seed=0, env="frozenlake", sizes=[4, 5], n_train=30, n_test=5, rl_start_prob=0.0)
+    task = make_task("planning", rl_states="optimal_path", **kw)
+    moved = []
+    for c in task.next_batch(100):
+        start_dist = c["layout"].dist_of(c["layout"].start_state())
+        moved.append(_steps_from_start(task, c))
+        assert moved[-1] + c["optimal_length"] == start_dist  # on a shortest plan
+    assert min(moved) == 0 and max(moved) >= 3  # the whole path, not only the start
+    reach = make_task("planning", **kw)  # the default draws any reachable state, off the path too
+    assert any(_steps_from_start(reach, c) + c["optimal_length"] > c["layout"].dist_of(c["layout"].start_state())
+               for c in reach.next_batch(100))
+    with pytest.raises(ValueError, match="rl_states.*reachable, optimal_path"):
+        make_task("planning", seed=0, rl_states="on_policy", n_train=2, n_test=1)
 
 
 def test_task_resume_and_other_envs():
@@ -265,6 +295,22 @@ def test_sft_then_grpo_through_the_trainer(tmp_path):
         assert all(np.isfinite(v) for v in r.values() if isinstance(v, float))
     assert "eval/exact_match" in results["eval_after"] and "eval/vprl_progress" in results["eval_after"]
     assert (tmp_path / "run" / "final" / "vq" / "vq.safetensors").is_file()
+
+
+def test_sft_stops_at_its_cpu_budget(built, tmp_path):
+    """sft.max_cpu_s: the SFT loop stops once it has used that much process time (a VPFT baseline
+    trained for the CPU-seconds of another run), and says how far it got."""
+    cfg, task, policy = built
+    cfg = make_cfg(tmp_path, sft={"steps": 100_000, "batch_size": 4, "max_cpu_s": 1.0}, train={"steps": 0})
+    trainer = Trainer(cfg, copy.deepcopy(policy), task)
+    trainer.sft()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    done = [r for r in rows if "sft/steps_done" in r][-1]
+    assert 1 <= done["sft/steps_done"] < 100_000
+    assert done["sft/steps_done"] == len([r for r in rows if "sft/loss" in r])
+    assert 1.0 <= done["sft/cpu_s"] < 30.0  # stops at the first step past the budget
+    with pytest.raises(ConfigError, match="sft.max_cpu_s"):
+        make_cfg(tmp_path, sft={"max_cpu_s": -1})
 
 
 def test_from_pretrained_round_trip(built, tmp_path):

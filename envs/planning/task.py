@@ -53,6 +53,7 @@ PROMPTS = {
                     "Answer with actions: up, down, left, right, pick, drop.",
 }
 SFT_MODES = ("random_walk", "optimal")
+RL_STATES = ("reachable", "optimal_path")
 SPLITS = ("test", "ood", "paper")
 
 
@@ -135,7 +136,8 @@ class PlanningTask:
     def __init__(self, seed: int = 0, env: str = "frozenlake", sizes: list[int] | tuple[int, ...] = (3, 4, 5),
                  n_train: int = 1000, n_test: int = 100, cell_size: int = 16,
                  sft_mode: Literal["random_walk", "optimal"] = "random_walk", paper_split: str | None = None,
-                 ood_sizes: list[int] | tuple[int, ...] = (), rl_start_prob: float = 0.25, plan_slack: int = 4,
+                 ood_sizes: list[int] | tuple[int, ...] = (), rl_start_prob: float = 0.25,
+                 rl_states: Literal["reachable", "optimal_path"] = "reachable", plan_slack: int = 4,
                  generator_params: dict | None = None):
         self.env = canonical_task(env)
         if sft_mode not in SFT_MODES:
@@ -145,6 +147,8 @@ class PlanningTask:
             raise ValueError(f"task.params.sizes must be a non-empty list of sizes >= 2, got {sizes}")
         if n_train < 1 or n_test < 1:
             raise ValueError(f"task.params.n_train and n_test must be >= 1, got {n_train} and {n_test}")
+        if rl_states not in RL_STATES:
+            raise ValueError(f"task.params.rl_states: invalid value {rl_states!r}; valid: {', '.join(RL_STATES)}")
         if not 0.0 <= rl_start_prob <= 1.0:
             raise ValueError(f"task.params.rl_start_prob must be in [0, 1], got {rl_start_prob}")
         min_cell = 16 if self.env == "maze" else 12
@@ -156,6 +160,7 @@ class PlanningTask:
         self.cell_size = int(cell_size)
         self.sft_mode = sft_mode
         self.rl_start_prob = float(rl_start_prob)
+        self.rl_states = rl_states
         self.plan_slack = int(plan_slack)
         self.paper_split_path = paper_split
         gen = dict(generator_params or {})
@@ -220,9 +225,23 @@ class PlanningTask:
         rng = np.random.default_rng([self.seed, 7, i])
         lid, lay = self.train[int(rng.integers(len(self.train)))]
         g = self.graph(lid, lay)
-        live = g.live
-        s = 0 if rng.random() < self.rl_start_prob else int(live[rng.integers(len(live))])
+        if rng.random() < self.rl_start_prob:
+            s = 0
+        elif self.rl_states == "optimal_path":
+            s = self._optimal_walk(g, rng)
+        else:
+            live = g.live
+            s = int(live[rng.integers(len(live))])
         return self.make_context(lid, lay, s)
+
+    @staticmethod
+    def _optimal_walk(g: StateGraph, rng: np.random.Generator) -> int:
+        """A state a uniform number of steps along a random optimal plan from the start."""
+        s = 0
+        for _ in range(int(rng.integers(max(int(g.dist[0]), 1)))):
+            opt = g.optimal_actions(s)
+            s = int(g.next[s, opt[rng.integers(len(opt))]])
+        return s
 
     # ------------------------------------------------------------------ Task protocol
 
@@ -244,9 +263,7 @@ class PlanningTask:
             g = self.graph(lid, lay)
             s = 0
             if self.sft_mode == "optimal":
-                for _ in range(int(rng.integers(max(int(g.dist[0]), 1)))):
-                    opt = g.optimal_actions(s)
-                    s = int(g.next[s, opt[rng.integers(len(opt))]])
+                s = self._optimal_walk(g, rng)
                 opt = g.optimal_actions(s)
                 t = int(g.next[s, opt[rng.integers(len(opt))]])
             else:
