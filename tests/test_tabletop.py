@@ -177,3 +177,70 @@ def test_an_env_left_open_exits_without_egl_noise():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Exception ignored" not in proc.stderr and "EGL" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- LIBERO-like layouts
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_jittered_states_stay_near_their_instructions_template(task):
+    from mmrl.envs.tabletop.tasks import layout_template
+
+    j = 0.03
+    variants = get_task_def(task).instruction_variants()
+    templates = {v: layout_template(task, v, j) for v in variants}
+    seen = set()
+    for seed in range(60):
+        s = sample_init_state(task, seed, position_jitter=j)
+        v = next(v for v, t in templates.items() if t.instruction == s.instruction)
+        t = templates[v]
+        seen.add(v)
+        # Same scene identity (distractor colours included), positions within +-j of the template.
+        assert s.object_colors == t.object_colors and s.zone_colors == t.zone_colors
+        assert np.abs(s.object_xy - t.object_xy).max() <= j + 1e-12
+        assert np.abs(s.zone_xy - t.zone_xy).max() <= j + 1e-12 if len(t.zone_xy) else True
+        assert np.abs(s.gripper_xyz - t.gripper_xyz).max() <= j + 1e-12
+        # The usual solvability rules still hold: objects apart, blocks out of zones.
+        d = np.linalg.norm(s.object_xy[:, None] - s.object_xy[None], axis=-1)
+        assert d[~np.eye(len(d), dtype=bool)].min() >= 0.09
+        if get_task_def(task).object_kind == "block":
+            assert all(np.abs(p - z).max() > 0.085 for p in s.object_xy for z in s.zone_xy)
+        # Seeded, and the noise is real: a state is not its template.
+        assert np.array_equal(s.object_xy, sample_init_state(task, seed, position_jitter=j).object_xy)
+        assert not np.allclose(s.object_xy, t.object_xy)
+    assert len(seen) == len(variants)  # the seed still draws the language task
+    # Different instructions have different layouts; the layout seed changes them all.
+    xys = [t.object_xy for t in templates.values()]
+    assert all(not np.allclose(a, b) for i, a in enumerate(xys) for b in xys[i + 1:])
+    other = layout_template(task, variants[0], j, layout_seed=1)
+    assert not np.allclose(other.object_xy, templates[variants[0]].object_xy)
+    # Pinned colours give that instruction's template, jittered.
+    pinned = sample_init_state(task, 3, colors=variants[-1], position_jitter=j)
+    assert pinned.instruction == templates[variants[-1]].instruction
+    assert np.abs(pinned.object_xy - templates[variants[-1]].object_xy).max() <= j + 1e-12
+
+
+def test_uniform_sampling_stays_the_default():
+    # position_jitter=None draws layouts uniformly over the table: the template layouts do not.
+    a = np.stack([sample_init_state("reach", s).object_xy[0] for s in range(200)])
+    b = np.stack([sample_init_state("reach", s, position_jitter=0.02).object_xy[0] for s in range(200)])
+    assert a.std(0).min() > 0.07 and b.std(0).max() < a.std(0).min()
+    assert np.array_equal(sample_init_state("push", 9).object_xy,
+                          sample_init_state("push", 9, position_jitter=None, layout_seed=5).object_xy)
+
+
+@pytest.mark.parametrize("bad", [-0.01, 0.2, "0.03", True])
+def test_bad_position_jitter_names_the_parameter(bad):
+    with pytest.raises(ValueError, match="position_jitter"):
+        sample_init_state("reach", 0, position_jitter=bad)
+    with pytest.raises(ValueError, match="position_jitter"):
+        make_tabletop_env("reach", position_jitter=bad)
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_scripted_expert_succeeds_on_jittered_states(task):
+    env = make_tabletop_env(task, render_mode=None, position_jitter=0.04)
+    assert env.reset(seed=4)[1]["instruction"] == sample_init_state(task, 4, position_jitter=0.04).instruction
+    np.testing.assert_allclose(env.init_state.object_xy, sample_init_state(task, 4, position_jitter=0.04).object_xy)
+    rate = np.mean([run_expert(env, seed)[0] for seed in range(40)])
+    assert rate >= 0.95, f"{task} expert success {rate:.2f} on jittered states"

@@ -86,6 +86,35 @@ def test_bad_params_name_the_value():
         make_task("tabletop", seed=0, n_eval=0)
 
 
+def test_position_jitter_reaches_the_envs_and_keys_the_demo_cache():
+    from mmrl.envs.tabletop import sample_init_state
+
+    from mmrl.policies.action_vla import _init_ids
+
+    with pytest.raises(ValueError, match="task.params.position_jitter"):
+        make_task("tabletop", seed=0, position_jitter=0.5)
+    with pytest.raises(ValueError, match="task.params.layout_seed"):
+        make_task("tabletop", seed=0, position_jitter=0.03, layout_seed=-1)
+    uniform = make_task("tabletop", seed=0, n_train=6, n_eval=3, image_size=16)
+    jit = make_task("tabletop", seed=0, n_train=6, n_eval=3, image_size=16, position_jitter=0.03)
+    # The same disjoint ids; only the states they name differ.
+    assert jit.train == uniform.train and jit.test == uniform.test
+    assert not {c["init_state_id"] for c in jit.train} & {c["init_state_id"] for c in jit.test}
+    # Jittered demos never share a cache dir with uniform ones (or with another jitter / layout).
+    names = {make_task("tabletop", seed=0, **kw).demo_root.name
+             for kw in ({}, {"position_jitter": 0.03}, {"position_jitter": 0.02},
+                        {"position_jitter": 0.03, "layout_seed": 1})}
+    assert len(names) == 4
+    rows = jit.eval_batch(3)
+    env = jit.env_factory(rows)
+    env.reset(*_init_ids(rows))
+    got = [r.env.init_state for r in env._runners]
+    want = [sample_init_state("reach", c["init_state_id"], position_jitter=0.03) for c in rows]
+    for g, w in zip(got, want):
+        assert g.instruction == w.instruction and np.array_equal(g.object_xy, w.object_xy)
+    jit.env_factory.close()
+
+
 def test_next_training_batch_is_reset_while_the_policy_trains():
     """After a training rollout, the task's env factory starts the workers' resets to the next
     batch's states (what the trainer's next `next_batch` returns); eval rollouts prefetch nothing."""

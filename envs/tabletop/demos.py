@@ -59,11 +59,13 @@ def demo_features(image_size: int, cameras: Sequence[str] = DEFAULT_CAMERAS) -> 
 def record_demos(task: str | Sequence[str], n_episodes: int | None = None, root: str | Path = "demos", seed: int = 0,
                  fps: int = 20, *, n_per_task: int | None = None, image_size: int = 64,
                  cameras: Sequence[str] = DEFAULT_CAMERAS, max_episode_steps: int | None = None,
-                 max_tries_per_episode: int = 20) -> DemoInfo:
+                 max_tries_per_episode: int = 20, position_jitter: float | None = None,
+                 layout_seed: int = 0) -> DemoInfo:
     """Record successful expert episodes of one or more tabletop tasks into `root` (must not exist).
 
     `n_episodes`: that many episodes per task, initial states from seeds `seed, seed+1, ...`.
     `n_per_task`: instead, that many episodes per language instruction (every colour pairing).
+    `position_jitter` / `layout_seed`: the envs' layout distribution (see `sample_init_state`).
     """
     from lerobot.datasets.lerobot_dataset import LeRobotDataset  # heavy (torch); only when recording
 
@@ -86,7 +88,8 @@ def record_demos(task: str | Sequence[str], n_episodes: int | None = None, root:
     try:
         for t in tasks:
             env = make_tabletop_env(t, image_size=image_size, cameras=tuple(cameras),
-                                    max_episode_steps=max_episode_steps)
+                                    max_episode_steps=max_episode_steps, position_jitter=position_jitter,
+                                    layout_seed=layout_seed)
             expert = make_expert(t)
             variants = get_task_def(t).instruction_variants() if n_per_task else [None]
             for colors in variants:

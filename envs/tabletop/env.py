@@ -29,7 +29,14 @@ from .scene import (  # noqa: E402
     ZONE_HALF,
     build_mjcf,
 )
-from .tasks import COLORS, InitState, TaskDef, get_task_def, sample_init_state  # noqa: E402
+from .tasks import (  # noqa: E402
+    COLORS,
+    InitState,
+    TaskDef,
+    check_position_jitter,
+    get_task_def,
+    sample_init_state,
+)
 
 CAMERAS = ("front", "wrist", "top", "follow")
 DEFAULT_CAMERAS = ("front", "wrist")  # what an env renders unless told
@@ -49,7 +56,8 @@ class TabletopEnv(gym.Env):
 
     def __init__(self, task: str | None = None, *, image_size: int | tuple[int, int] = 64,
                  cameras: tuple[str, ...] = DEFAULT_CAMERAS, max_delta: float = 0.02,
-                 max_episode_steps: int | None = None, render_mode: str | None = "rgb_array"):
+                 max_episode_steps: int | None = None, render_mode: str | None = "rgb_array",
+                 position_jitter: float | None = None, layout_seed: int = 0):
         task = task or self.task_name
         self.task_def: TaskDef = get_task_def(task)
         bad = [c for c in cameras if c not in CAMERAS]
@@ -63,6 +71,9 @@ class TabletopEnv(gym.Env):
         self.cameras = tuple(cameras)
         self.max_delta = float(max_delta)
         self.max_episode_steps = int(max_episode_steps or self.task_def.max_episode_steps)
+        # Seeded resets: uniform layouts (None) or fixed per-instruction layouts jittered by this much.
+        self.position_jitter = check_position_jitter(position_jitter)
+        self.layout_seed = int(layout_seed)
 
         self.model = mujoco.MjModel.from_xml_string(build_mjcf(self.task_def.layout))
         self.data = mujoco.MjData(self.model)
@@ -103,7 +114,8 @@ class TabletopEnv(gym.Env):
             sid = options.get("init_state_id", seed)
             if sid is None:
                 sid = int(self.np_random.integers(2**31 - 1))
-            state = sample_init_state(self.task, int(sid), colors=options.get("colors"))
+            state = sample_init_state(self.task, int(sid), colors=options.get("colors"),
+                                      position_jitter=self.position_jitter, layout_seed=self.layout_seed)
         elif state.task != self.task:
             raise ValueError(f"init_state is for task {state.task!r}, this env runs {self.task!r}")
         self._apply(state)

@@ -192,13 +192,16 @@ DEMO_REVISION = 2  # bump when the experts change, so cached demos of an older e
 
 
 def _demo_dir_name(tasks: Sequence[str], mode: str, count: int, seed: int, image_size: int,
-                   cameras: Sequence[str]) -> str:
+                   cameras: Sequence[str], position_jitter: float | None = None, layout_seed: int = 0) -> str:
     per = "x" if mode == "episodes" else "per_instr"
-    return f"{'-'.join(tasks)}_{per}{count}_seed{seed}_{image_size}px_{'-'.join(cameras)}_r{DEMO_REVISION}"
+    # Jittered-template demos get their own name (uniform ones keep the old one, so caches stay valid).
+    layout = "" if position_jitter is None else f"_jit{position_jitter:g}_lay{layout_seed}"
+    return (f"{'-'.join(tasks)}_{per}{count}_seed{seed}_{image_size}px_{'-'.join(cameras)}{layout}"
+            f"_r{DEMO_REVISION}")
 
 
 def ensure_demos(root: Path, tasks: Sequence[str], mode: str, count: int, seed: int, image_size: int,
-                 cameras: Sequence[str]) -> Path:
+                 cameras: Sequence[str], position_jitter: float | None = None, layout_seed: int = 0) -> Path:
     """Record the scripted-expert demos into `root` unless a finished dataset is already there.
     Recording goes to a sibling temp dir first and is renamed into place, so an interrupted or
     concurrent recording never leaves a half-written dataset at `root`."""
@@ -213,7 +216,7 @@ def ensure_demos(root: Path, tasks: Sequence[str], mode: str, count: int, seed: 
     kw = {"n_episodes": count} if mode == "episodes" else {"n_per_task": count}
     with _quiet_lerobot():
         record_demos(list(tasks), root=tmp, seed=DEMO_SEED_BASE + 1000 * seed, image_size=image_size,
-                     cameras=tuple(cameras), **kw)
+                     cameras=tuple(cameras), position_jitter=position_jitter, layout_seed=layout_seed, **kw)
     try:
         if root.exists():
             root.rmdir()  # an empty placeholder
@@ -278,14 +281,21 @@ class TabletopTask(_RobotTask):
     named by the settings); image_size / cameras: what the env renders and the demos hold;
     num_workers: env worker processes (0 = in this process); eval_mode greedy | sampled | both and
     eval_samples episodes per held-out state when sampled; prefetch_resets: with workers, reset
-    them to the next training batch's states while the policy update runs."""
+    them to the next training batch's states while the policy update runs.
+
+    position_jitter: null (default) draws every scene uniformly; a number j in metres makes the
+    scenes LIBERO-like: each language instruction has one fixed layout (from layout_seed) and each
+    init-state id (train, eval and demo alike) moves its objects and the gripper start by up to +-j
+    (see `sample_init_state`)."""
 
     def __init__(self, seed: int = 0, tasks: Sequence[str] = ("reach",), n_train: int = 64, n_eval: int = 16,
                  demos_per_task: int = 10, demo_mode: str = "episodes", demo_root: str | None = None,
                  image_size: int = 64, cameras: Sequence[str] = ("front",), chunk_size: int = 8,
                  num_workers: int = 0, max_episode_steps: int | None = None, eval_mode: str = "sampled",
-                 eval_samples: int = 4, prefetch_resets: bool = True):
+                 eval_samples: int = 4, prefetch_resets: bool = True, position_jitter: float | None = None,
+                 layout_seed: int = 0):
         from mmrl.envs.tabletop import CAMERAS, TASK_NAMES
+        from mmrl.envs.tabletop.tasks import check_position_jitter
 
         tasks = [tasks] if isinstance(tasks, str) else list(tasks)
         bad = [t for t in tasks if t not in TASK_NAMES]
@@ -300,9 +310,12 @@ class TabletopTask(_RobotTask):
         _check_choice("eval_mode", eval_mode, EVAL_MODES)
         for name, v, lo in (("n_train", n_train, 1), ("n_eval", n_eval, 1), ("demos_per_task", demos_per_task, 0),
                             ("image_size", image_size, 16), ("chunk_size", chunk_size, 1),
-                            ("num_workers", num_workers, 0), ("eval_samples", eval_samples, 1)):
+                            ("num_workers", num_workers, 0), ("eval_samples", eval_samples, 1),
+                            ("layout_seed", layout_seed, 0)):
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"task.params.{name} must be an integer >= {lo}, got {v!r}")
+        self.position_jitter = check_position_jitter(position_jitter, "task.params.position_jitter")
+        self.layout_seed = layout_seed
         self.seed, self.tasks, self.cameras = seed, tasks, list(cameras)
         self.image_size, self.chunk_size = image_size, chunk_size
         self.demos_per_task, self.demo_mode = demos_per_task, demo_mode
@@ -341,6 +354,8 @@ class TabletopTask(_RobotTask):
             from mmrl.policies.action_vla import VectorEnvFactory
 
             extra = {"max_episode_steps": self.max_episode_steps} if self.max_episode_steps else {}
+            if self.position_jitter is not None:
+                extra.update(position_jitter=self.position_jitter, layout_seed=self.layout_seed)
             # Training, greedy eval and sampled eval batches differ in size: keep one env set for each.
             self._env_factory = VectorEnvFactory("tabletop", num_workers=self.num_workers, image_size=self.image_size,
                                                  cameras=self.cameras, cache_size=4, upcoming=self._upcoming(),
@@ -353,7 +368,7 @@ class TabletopTask(_RobotTask):
     def demo_root(self) -> Path:
         if self._demo_root is None:
             name = _demo_dir_name(self.tasks, self.demo_mode, self.demos_per_task, self.seed, self.image_size,
-                                  self.cameras)
+                                  self.cameras, self.position_jitter, self.layout_seed)
             self._demo_root = Path(tempfile.gettempdir()) / "mmrl_tabletop_demos" / name
         return self._demo_root
 
@@ -362,7 +377,7 @@ class TabletopTask(_RobotTask):
             if self.demos_per_task == 0:
                 raise ValueError("task.params.demos_per_task is 0: there are no demos for SFT (set sft.steps: 0)")
             root = ensure_demos(self.demo_root, self.tasks, self.demo_mode, self.demos_per_task, self.seed,
-                                self.image_size, self.cameras)
+                                self.image_size, self.cameras, self.position_jitter, self.layout_seed)
             task_of = {ins: t for t in self.tasks for ins in _instructions(t)}
             self._frames = load_sft_frames(root, self.chunk_size, self.cameras, task_of)
         return self._frames
