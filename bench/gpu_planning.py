@@ -62,7 +62,7 @@ def run_env(env: str, args) -> dict:
     budget = args.minutes * 60.0
     sft_deadline = time.perf_counter() + 0.4 * budget
 
-    # Stage 1: random-walk SFT, as many steps as 40% of the budget allows.
+    # Stage 1: SFT (the config's sft_mode), as many steps as 40% of the budget allows.
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -88,11 +88,12 @@ def run_env(env: str, args) -> dict:
         m = trainer.train_step()
         rl_steps += 1
         trainer.step += 1
-        gen = m["tokens_per_s"] * m["time/sample"]
+        # with dynamic sampling a step can keep no group: it then samples but makes no update
+        gen = m["gen_tokens"] if "gen_tokens" in m else m["tokens_per_s"] * m["time/sample"]
         gen_tokens += gen
-        train_tokens += gen * cfg.train.ppo_epochs
+        train_tokens += gen * cfg.train.ppo_epochs if "time/update" in m else 0.0
         sample_s += m["time/sample"]
-        update_s += m["time/update"]
+        update_s += m.get("time/update", 0.0)
     _sync()
     rl_time = time.perf_counter() - t0
     after = trainer.evaluate()

@@ -97,6 +97,8 @@ class SFTConfig:
     steps: int = 0  # warm-start steps before RL; 0 skips it
     batch_size: int = 32
     lr: float = 3e-3
+    # constant, or cosine from lr to lr * train.min_lr_ratio over sft.steps
+    lr_schedule: Literal["constant", "cosine"] = "constant"
     examples: int = 2000
     # > 0: stop SFT once its loop has used this many CPU-seconds (process time), whichever of the
     # two limits comes first: baselines trained for the same compute as another run

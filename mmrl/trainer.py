@@ -124,6 +124,8 @@ class Trainer:
             return
         rng = np.random.default_rng(self.cfg.train.seed + 2)
         opt = make_adamw(self.params, lr=s.lr)
+        decay = warmup_cosine(0, s.steps, self.cfg.train.min_lr_ratio) if s.lr_schedule == "cosine" else (lambda _: 1.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, decay)
         self.policy.model.train()
         bar = _progress(range(s.steps), "sft", self.cfg.train.progress)
         cpu_start, done = time.process_time(), 0
@@ -138,7 +140,8 @@ class Trainer:
             opt.step()
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss.item():.3f}")
-            self.log.log({"sft/loss": loss.item()}, step=i, prefix_step="sft_step")
+            self.log.log({"sft/loss": loss.item(), "sft/lr": schedule.get_last_lr()[0]}, step=i, prefix_step="sft_step")
+            schedule.step()
             done = i + 1
         # how much SFT ran: with sft.max_cpu_s, possibly fewer than sft.steps
         self.log.log({"sft/steps_done": done, "sft/cpu_s": time.process_time() - cpu_start}, step=done,

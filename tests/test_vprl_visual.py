@@ -2,6 +2,7 @@
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -311,6 +312,21 @@ def test_sft_stops_at_its_cpu_budget(built, tmp_path):
     assert 1.0 <= done["sft/cpu_s"] < 30.0  # stops at the first step past the budget
     with pytest.raises(ConfigError, match="sft.max_cpu_s"):
         make_cfg(tmp_path, sft={"max_cpu_s": -1})
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_sft_lr_schedule(built, tmp_path, schedule):
+    cfg, task, policy = built
+    cfg = make_cfg(tmp_path, sft={"steps": 5, "batch_size": 2, "lr": 1e-3, "lr_schedule": schedule},
+                   train={"steps": 0, "min_lr_ratio": 0.1})
+    Trainer(cfg, copy.deepcopy(policy), task).sft()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["sft/lr"] for r in rows if "sft/lr" in r]
+    assert len(lrs) == 5 and lrs[0] == pytest.approx(1e-3)
+    if schedule == "constant":
+        assert lrs == [pytest.approx(1e-3)] * 5
+    else:  # cosine from lr towards lr * min_lr_ratio, falling at every step
+        assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.8)))
 
 
 def test_from_pretrained_round_trip(built, tmp_path):
