@@ -147,8 +147,8 @@ def high_entropy_tokens(entropy: Tensor, mask: Tensor, top_frac: float) -> Tenso
     share of masked-in tokens with the highest entropy (ties at the threshold are kept).
 
     The policy gradient over only these tokens leaves the near-certain ones alone: a negative
-    advantage then cannot push down tokens the policy had right (e.g. the copied cells of a drawn
-    frame), which is what makes one-step GRPO on a small model collapse.
+    advantage then does not push down tokens the policy had right (e.g. the copied cells of a
+    drawn frame).
     """
     if not 0.0 < top_frac <= 1.0:
         raise AlgorithmError(f"top_frac must be in (0, 1], got {top_frac}")
