@@ -106,6 +106,28 @@ def check_position_jitter(position_jitter: float | None, name: str = "position_j
     return float(position_jitter)
 
 
+def _check_colors(td: TaskDef, colors: tuple[str, str | None]) -> None:
+    obj_c, zone_c = colors
+    if obj_c not in td.object_colors or (td.layout.n_zones and zone_c not in td.zone_colors):
+        raise ValueError(f"colours {colors!r} are not valid for {td.name!r}; valid: {td.instruction_variants()}")
+
+
+def _scene_colors(td: TaskDef, colors: tuple[str, str | None] | None, rng: np.random.Generator
+                  ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Objects' and zones' colours: the pinned (target object, goal zone) first and distractors
+    drawn from the rest, or, with `colors=None`, all drawn."""
+    n_obj, n_zone = td.n_objects, td.layout.n_zones
+    if colors is None:
+        return (tuple(str(c) for c in rng.permutation(td.object_colors)[:n_obj]),
+                tuple(str(c) for c in rng.permutation(td.zone_colors)[:n_zone]))
+    obj_c, zone_c = colors
+    rest = [c for c in td.object_colors if c != obj_c]
+    obj_colors = (obj_c, *(str(c) for c in rng.permutation(rest)[: n_obj - 1]))
+    zone_rest = [c for c in td.zone_colors if c != zone_c]
+    zone_colors = ((zone_c, *(str(c) for c in rng.permutation(zone_rest)[: n_zone - 1])) if n_zone else ())
+    return obj_colors, zone_colors
+
+
 def _draw_layout(td: TaskDef, rng: np.random.Generator, margin: float, sep_extra: float,
                  push_margin: float, tries: int = 10_000) -> tuple[np.ndarray, np.ndarray] | None:
     """Zones and objects' xy by rejection sampling (see `sample_init_state`): objects inside the
@@ -162,17 +184,12 @@ def layout_template(task: str, colors: tuple[str, str | None], position_jitter: 
 def _layout_template(task: str, colors: tuple[str, str | None], position_jitter: float, layout_seed: int
                      ) -> InitState:
     td = get_task_def(task)
-    obj_c, zone_c = colors
-    if obj_c not in td.object_colors or (td.layout.n_zones and zone_c not in td.zone_colors):
-        raise ValueError(f"colours {colors!r} are not valid for {task!r}; valid: {td.instruction_variants()}")
-    instruction = td.instruction(obj_c, zone_c if td.layout.n_zones else None)
+    _check_colors(td, colors)
+    instruction = td.instruction(colors[0], colors[1] if td.layout.n_zones else None)
     # crc32 of the names: the same template on any machine and Python (str hashes are salted).
     rng = np.random.default_rng([int(layout_seed), 104729, zlib.crc32(f"{task}|{instruction}".encode())])
-    n_obj, n_zone = td.n_objects, td.layout.n_zones
-    rest = [c for c in td.object_colors if c != obj_c]
-    obj_colors = (obj_c, *(str(c) for c in rng.permutation(rest)[: n_obj - 1]))
-    zone_rest = [c for c in td.zone_colors if c != zone_c]
-    zone_colors = ((zone_c, *(str(c) for c in rng.permutation(zone_rest)[: n_zone - 1])) if n_zone else ())
+    n_obj = td.n_objects
+    obj_colors, zone_colors = _scene_colors(td, colors, rng)
     j = position_jitter or 0.0
     drawn = _draw_layout(td, rng, margin=j, sep_extra=j, push_margin=j)
     if drawn is None:
@@ -235,50 +252,18 @@ def sample_init_state(task: str, seed: int, colors: tuple[str, str | None] | Non
     rng = np.random.default_rng([seed, 7919])  # decorrelated from other uses of the same seed
     if position_jitter is not None:
         return _jittered_state(td, seed, rng, colors, position_jitter, layout_seed)
-    n_obj, n_zone = td.n_objects, td.layout.n_zones
     if colors is not None:
-        obj_c, zone_c = colors
-        if obj_c not in td.object_colors or (n_zone and zone_c not in td.zone_colors):
-            raise ValueError(f"colours {colors!r} are not valid for {task!r}; valid: {td.instruction_variants()}")
-        rest = [c for c in td.object_colors if c != obj_c]
-        obj_colors = (obj_c, *(str(c) for c in rng.permutation(rest)[: n_obj - 1]))
-        zone_rest = [c for c in td.zone_colors if c != zone_c]
-        zone_colors = ((zone_c, *(str(c) for c in rng.permutation(zone_rest)[: n_zone - 1])) if n_zone else ())
-    else:
-        obj_colors = tuple(str(c) for c in rng.permutation(td.object_colors)[:n_obj])
-        zone_colors = tuple(str(c) for c in rng.permutation(td.zone_colors)[:n_zone])
-
-    lo, hi = -0.16, 0.16
-    for _ in range(10_000):
-        zones: list[np.ndarray] = []
-        while len(zones) < n_zone:
-            z = rng.uniform(lo + 0.02, hi - 0.02, 2)
-            if _far(z, zones, 2 * ZONE_HALF + 0.04):
-                zones.append(z)
-        objs: list[np.ndarray] = []
-        for i in range(n_obj):
-            p = rng.uniform(lo, hi, 2)
-            if not _far(p, objs, 0.09):
-                break
-            # Blocks never start inside (or touching) a zone.
-            if td.object_kind == "block" and not all(np.abs(p - z).max() > ZONE_HALF + 0.035 for z in zones):
-                break
-            objs.append(p)
-        if len(objs) < n_obj:
-            continue
-        if task == "push":
-            d = np.linalg.norm(zones[0] - objs[0])
-            # Far enough to need a push, near enough to finish in time; the path and the push-off
-            # point behind the target stay clear of the distractor.
-            behind = objs[0] - 0.06 * (zones[0] - objs[0]) / max(d, 1e-9)
-            if not 0.12 <= d <= 0.24 or _seg_dist(objs[1], behind, zones[0]) < 0.09:
-                continue
-        gripper = np.array([*rng.uniform(-0.08, 0.08, 2), rng.uniform(0.12, 0.18)])
-        yaw = rng.uniform(-np.pi / 4, np.pi / 4, n_obj) if td.object_kind == "block" else np.zeros(n_obj)
-        return InitState(
-            task=task, seed=int(seed), object_colors=obj_colors, zone_colors=zone_colors,
-            object_xy=np.array(objs), object_yaw=yaw, zone_xy=np.array(zones).reshape(n_zone, 2),
-            gripper_xyz=gripper,
-            instruction=td.instruction(obj_colors[0], zone_colors[0] if n_zone else None),
-        )
-    raise RuntimeError(f"could not sample an initial state for {task!r} with seed {seed}")
+        _check_colors(td, colors)
+    obj_colors, zone_colors = _scene_colors(td, colors, rng)
+    drawn = _draw_layout(td, rng, margin=0.0, sep_extra=0.0, push_margin=0.0)
+    if drawn is None:
+        raise RuntimeError(f"could not sample an initial state for {task!r} with seed {seed}")
+    objs, zones = drawn
+    n_obj = td.n_objects
+    gripper = np.array([*rng.uniform(-0.08, 0.08, 2), rng.uniform(0.12, 0.18)])
+    yaw = rng.uniform(-np.pi / 4, np.pi / 4, n_obj) if td.object_kind == "block" else np.zeros(n_obj)
+    return InitState(
+        task=task, seed=int(seed), object_colors=obj_colors, zone_colors=zone_colors,
+        object_xy=objs, object_yaw=yaw, zone_xy=zones, gripper_xyz=gripper,
+        instruction=td.instruction(obj_colors[0], zone_colors[0] if td.layout.n_zones else None),
+    )
