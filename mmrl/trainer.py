@@ -261,7 +261,7 @@ class Trainer:
                     with self.autocast:
                         logp, entropy = self.policy.logprobs(part, with_entropy=True)
                     m = mask[micro]
-                    pg_mask = m if a.entropy_top_frac >= 1.0 else algos.high_entropy_tokens(entropy, m, a.entropy_top_frac)
+                    pg_mask = algos.high_entropy_tokens(entropy, m, a.entropy_top_frac)  # m itself at 1.0
                     loss, metrics = algos.policy_loss(a.loss, logp, old_logp[micro], adv[micro], pg_mask,
                                                       denominator=denom, agg=self.agg,
                                                       **{k: v for k, v in self.loss_params.items() if k != "agg"})

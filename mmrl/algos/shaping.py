@@ -153,8 +153,10 @@ def high_entropy_tokens(entropy: Tensor, mask: Tensor, top_frac: float) -> Tenso
     if not 0.0 < top_frac <= 1.0:
         raise AlgorithmError(f"top_frac must be in (0, 1], got {top_frac}")
     m = as_bool_mask(mask, entropy.shape)
+    if top_frac == 1.0:
+        return m
     n = int(m.sum())
-    if top_frac == 1.0 or n == 0:
+    if n == 0:
         return m
     k = max(1, math.ceil(top_frac * n))
     threshold = entropy.detach()[m].float().topk(k).values[-1]
