@@ -83,6 +83,15 @@ class AlgoConfig:
     redit_scale: float = 0.0
     redit_kind: Literal["gaussian", "uniform"] = "gaussian"
     success_filter: list[float] | None = None  # [low, high] on the group mean of the first reward
+    # > 0: this share of each draw's prompts comes again from the prompts whose last group had
+    # differing rewards (a FIFO of `prompt_replay_size`), sampled afresh; mmrl/prompt_replay.py
+    prompt_replay: float = 0.0
+    prompt_replay_size: int = 512
+    # Guidance where RL cannot learn (ReLIFT, arXiv 2506.07527): a prompt whose group's best total
+    # reward is below `guide_below` (every sample failed: zero advantage, nothing to learn from)
+    # adds guide_coef x the policy's supervised loss on the task's expert target to the update.
+    guide_below: float | None = None
+    guide_coef: float = 1.0
     gfpo_keep: int = 0  # > 0: GFPO, keep this many of each group by `gfpo_metric`; the rest get 0
     gfpo_metric: Literal["shortest", "reward_per_length"] = "shortest"
 
@@ -324,6 +333,9 @@ def validate(cfg: RunConfig) -> None:
            f"algo.overlong_cache_len ({a.overlong_cache_len}) must be below sampling.max_new_tokens ({s.max_new_tokens})")
     _check(a.gfpo_keep == 0 or 1 <= a.gfpo_keep < s.group_size,
            f"algo.gfpo_keep ({a.gfpo_keep}) must be 0 (off) or in [1, sampling.group_size={s.group_size})")
+    _check(0 <= a.prompt_replay <= 1, f"algo.prompt_replay must be in [0, 1] (0 = off), got {a.prompt_replay}")
+    _check(a.prompt_replay_size >= 1, f"algo.prompt_replay_size must be >= 1, got {a.prompt_replay_size}")
+    _check(a.guide_coef > 0, f"algo.guide_coef must be > 0, got {a.guide_coef}")
     if a.success_filter is not None:
         lo_hi = a.success_filter
         _check(len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1] <= 1,

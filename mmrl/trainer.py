@@ -21,6 +21,7 @@ from mmrl import algos
 from mmrl.checkpoint import atomic_write_text, find_latest, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from mmrl.config import RunConfig
 from mmrl.logger import MetricsLogger
+from mmrl.prompt_replay import PromptReplay
 from mmrl.rewards import get_reward
 from mmrl.rollout import Rollout
 
@@ -79,6 +80,8 @@ class Trainer:
         self.group_offset = 0
         self.sft_done = cfg.sft.steps == 0
         self.eval_history: list[dict[str, Any]] = []
+        self.failed_contexts: list[Any] = []  # see collect
+        self.replay = PromptReplay(cfg.algo.prompt_replay_size) if cfg.algo.prompt_replay > 0 else None
         self.log = log or MetricsLogger(self.out_dir, tensorboard=t.tensorboard, wandb=t.wandb,
                                         wandb_project=t.wandb_project, config=cfg.to_dict())
         if cfg.algo.beta > 0:
@@ -97,6 +100,7 @@ class Trainer:
             "rng": rng_state({"sample": self.sample_gen, "shuffle": self.shuffle_gen}),
             "task": self.task.state_dict(),
             "eval_history": self.eval_history,
+            "replay": self.replay.state_dict() if self.replay is not None else None,
         }
 
     def save(self) -> Path:
@@ -113,6 +117,8 @@ class Trainer:
         set_rng_state(state["rng"], {"sample": self.sample_gen, "shuffle": self.shuffle_gen})
         self.task.load_state_dict(state["task"])
         self.eval_history = state["eval_history"]
+        if self.replay is not None and state.get("replay"):
+            self.replay.load_state_dict(state["replay"])
         self.log.truncate_after(self.step)
         return True
 
@@ -172,13 +178,18 @@ class Trainer:
 
     def collect(self) -> tuple[Rollout, dict[str, float]]:
         """Sample one batch of groups; with dynamic sampling / success filtering, re-sample until
-        enough groups survive or the try cap is hit (then say so in the metrics)."""
+        enough groups survive or the try cap is hit (then say so in the metrics).
+
+        With `algo.guide_below`, the contexts of groups where every sample failed (of every try)
+        are left in `self.failed_contexts` for the update's guidance term."""
         cfg, P, G = self.cfg, self.cfg.train.prompts_per_step, self.cfg.sampling.group_size
         filtering = cfg.algo.dynamic_sampling or cfg.algo.success_filter is not None
         parts, kept_groups, tries, stats = [], 0, 0, defaultdict(float)
+        self.failed_contexts = []
         while True:
             t0 = time.perf_counter()
-            contexts = self.task.next_batch(P)
+            replayed = self.replay.draw(round(cfg.algo.prompt_replay * P)) if self.replay is not None else []
+            contexts = replayed + self.task.next_batch(P - len(replayed))
             with self.autocast:
                 rollout = self.policy.sample(contexts, G, generator=self.sample_gen, group_offset=self.group_offset)
             self.group_offset += P
@@ -191,6 +202,15 @@ class Trainer:
                 for k, v in rollout.rewards.items():
                     stats[f"reward/{k}"] = v.mean().item()
                 stats["reward/std"] = rollout.rewards["total"].std().item() if len(rollout) > 1 else 0.0
+            total, gids = rollout.rewards["total"], rollout.group_ids
+            if self.replay is not None:
+                informative = group_contexts(rollout, algos.nonconstant_groups(total, gids))
+                self.replay.push(informative)
+                stats["replay/pushed"] += len(informative)
+                stats["replay/drawn"] += len(replayed)
+                stats["replay/size"] = len(self.replay)
+            if cfg.algo.guide_below is not None:
+                self.failed_contexts += group_contexts(rollout, algos.failed_groups(total, gids, cfg.algo.guide_below))
             tries += 1
             if not filtering:
                 parts.append(rollout)
@@ -201,6 +221,8 @@ class Trainer:
             if kept_groups >= P or tries >= cfg.algo.max_sampling_tries:
                 break
         batch = Rollout.concat(parts)
+        if cfg.algo.guide_below is not None:
+            stats["guide/failed_groups"] = len(self.failed_contexts)
         if filtering:
             stats["sampling/tries"] = tries
             stats["sampling/kept_groups"] = min(kept_groups, P)
@@ -232,7 +254,20 @@ class Trainer:
         size = self.cfg.train.micro_batch_size or len(idx)
         return list(idx.split(size))
 
-    def update(self, rollout: Rollout) -> dict[str, float]:
+    def guidance_backward(self, contexts: list[Any]) -> float:
+        """Backward of guide_coef x the supervised loss on the expert targets of `contexts`."""
+        try:
+            with self.autocast:
+                loss = self.cfg.algo.guide_coef * self.policy.sft_loss(contexts)
+        except KeyError as exc:
+            raise ValueError(f"algo.guide_below needs the task's expert target in every context; "
+                             f"{type(self.task).__name__}'s contexts lack {exc}") from None
+        loss.backward()
+        return loss.item()
+
+    def update(self, rollout: Rollout, guide_contexts: list[Any] = ()) -> dict[str, float]:
+        """One RL update on `rollout`; `guide_contexts` (see `collect`) add their supervised loss
+        to the first optimizer step."""
         t, a = self.cfg.train, self.cfg.algo
         adv = self.advantages(rollout)
         mask = algos.mask_truncated(rollout.mask, rollout.truncated) if a.mask_truncated else rollout.mask
@@ -256,6 +291,8 @@ class Trainer:
                 # The normaliser of the whole optimizer step, so micro-batching never changes the gradient.
                 denom = algos.agg_denominator(mask[mb], self.agg, self.max_len)
                 self.optimizer.zero_grad(set_to_none=True)
+                if guide_contexts and n_updates == 0:
+                    sums["guide_loss"] += self.guidance_backward(guide_contexts)
                 for micro in self._micro_batches(mb):
                     part = rollout.select(micro)
                     with self.autocast:
@@ -304,10 +341,17 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         rollout, stats = self.collect()
         if len(rollout) == 0:
+            if self.failed_contexts:  # nothing for RL to learn from, but the guidance still applies
+                self.optimizer.zero_grad(set_to_none=True)
+                stats["train/guide_loss"] = self.guidance_backward(self.failed_contexts)
+                stats["train/grad_norm"] = clip_grad_norm(self.params, self.cfg.train.grad_clip).item()
+                self.optimizer.step()
+                self.scheduler.step()
+                return stats
             self.log.warn(f"step {self.step}: no group left after filtering; skipping the update")
             return stats
         t0 = time.perf_counter()
-        metrics = self.update(rollout)
+        metrics = self.update(rollout, self.failed_contexts)
         stats["time/update"] = time.perf_counter() - t0
         stats["tokens_per_s"] = stats.pop("gen_tokens") / max(stats["time/sample"], 1e-9)
         stats.update(metrics)
@@ -387,6 +431,12 @@ class Trainer:
         atomic_write_text(self.out_dir / "results.json", json.dumps(results, indent=2))
         self.log.close()
         return results
+
+
+def group_contexts(rollout: Rollout, rows: torch.Tensor) -> list[Any]:
+    """The context of each group whose members `rows` (bool [N], one value per group) selects, once."""
+    pick = (rows & algos.one_row_per_group(rollout.group_ids)).nonzero().squeeze(1).tolist()
+    return [rollout.contexts[i] for i in pick]
 
 
 def _progress(it, desc: str, enabled: bool, **kwargs):

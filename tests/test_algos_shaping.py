@@ -8,9 +8,11 @@ import torch
 from mmrl.algos import AlgorithmError, compute_advantages
 from mmrl.algos.shaping import (
     gfpo_advantages,
+    failed_groups,
     gfpo_keep,
     mask_truncated,
     nonconstant_groups,
+    one_row_per_group,
     overlong_penalty,
     redit,
     success_rate_filter,
@@ -37,6 +39,21 @@ def test_nonconstant_groups():
     g = T([5, 5, 5, 9, 9, 9, 11, -4, 2**41])
     # group 5 mixed; 9 all equal; 11, -4, 2**41 are groups of one (all equal)
     assert nonconstant_groups(r, g).tolist() == [True, True, True, False, False, False, False, False, False]
+
+
+def test_failed_groups():
+    r = T([1.0, 0.0, -5.0, 0.0, -5.0, -5.0, 0.5])
+    g = T([5, 5, 9, 9, 2**41, 2**41, -4])
+    # best reward per group: 5 -> 1, 9 -> 0, 2**41 -> -5, -4 -> 0.5
+    assert failed_groups(r, g, below=0.5).tolist() == [False, False, True, True, True, True, False]
+    assert failed_groups(r, g, below=-5.0).tolist() == [False] * 7
+
+
+@pytest.mark.parametrize("ids", [[7, 5, 7, 5, 9, 9], [2**41, -3, -3, 2**41, 0, 0]])
+def test_one_row_per_group(ids):
+    ids = T(ids)
+    rows = one_row_per_group(ids)
+    assert sorted(ids[rows].tolist()) == sorted(set(ids.tolist()))  # each group exactly once
 
 
 def test_mask_truncated():

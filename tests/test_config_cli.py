@@ -34,6 +34,8 @@ def test_defaults_and_overrides(tmp_path):
     (["rewards=[{name: nope}]"], "unknown reward 'nope'"),
     (["model.policy=gpt"], "unknown policy 'gpt'"),
     (["sampling.top_p=1.5"], "sampling.top_p must be in (0, 1]"),
+    (["algo.prompt_replay=1.5"], "algo.prompt_replay must be in [0, 1] (0 = off), got 1.5"),
+    (["algo.guide_below=0.5", "algo.guide_coef=0"], "algo.guide_coef must be > 0, got 0"),
     (["model.source=pretrained", "model.path=/does/not/exist"], "checkpoint directory not found"),
     (["trainsteps"], "not of the form key=value"),
 ])

@@ -20,6 +20,15 @@ if "test_digit_share" not in REWARDS:
         and dense (a random model scores ~0.04 with spread), so every batch carries signal."""
         return torch.tensor([sum(ch.isdigit() for ch in o) / max(len(o), 1) for o in outputs])
 
+if "test_digit_share_odd_answers" not in REWARDS:
+
+    @register_reward("test_digit_share_odd_answers")
+    def _digit_share_odd(contexts, outputs, **_):
+        """The digit share for prompts with an odd answer, 0 for every sample of the others: groups
+        of even-answer prompts are constant (no signal), the others differ."""
+        share = _digit_share(contexts, outputs)
+        return torch.tensor([float(s) if int(c["answer"]) % 2 else 0.0 for c, s in zip(contexts, share)])
+
 
 def make_cfg(tmp_path, **sections):
     base = {
@@ -74,14 +83,15 @@ def test_micro_batching_does_not_change_the_update(tmp_path, algo):
         assert torch.allclose(whole[k], split[k], atol=1e-7, rtol=1e-4), k
 
 
-def test_resume_is_exact(tmp_path):
-    straight = build(make_cfg(tmp_path / "a", train={"steps": 4, "save_every": 0}))
+@pytest.mark.parametrize("algo", [{}, {"prompt_replay": 0.5}])
+def test_resume_is_exact(tmp_path, algo):
+    straight = build(make_cfg(tmp_path / "a", train={"steps": 4, "save_every": 0}, algo=algo))
     straight.train()
-    cfg_b = make_cfg(tmp_path / "b", train={"steps": 4, "save_every": 2})
+    cfg_b = make_cfg(tmp_path / "b", train={"steps": 4, "save_every": 2}, algo=algo)
     interrupted = build(cfg_b)
     interrupted.cfg.train.steps = 2  # stop after step 2, as if killed right after its checkpoint
     interrupted.train()
-    resumed = build(make_cfg(tmp_path / "b", train={"steps": 4, "save_every": 2}))
+    resumed = build(make_cfg(tmp_path / "b", train={"steps": 4, "save_every": 2}, algo=algo))
     assert resumed.resume() and resumed.step == 2
     resumed.train()
     a, b = weights(straight), weights(resumed)
@@ -112,6 +122,95 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
         vals = r[g == gid]
         assert vals.max() > vals.min(), "a kept group has all-equal rewards"
     assert len(rollout) <= cfg.train.prompts_per_step * cfg.sampling.group_size
+
+
+def test_prompt_replay_draws_again_the_prompts_whose_groups_differed(tmp_path):
+    cfg = make_cfg(tmp_path, rewards=[{"name": "test_digit_share_odd_answers"}],
+                   train={"prompts_per_step": 8}, algo={"prompt_replay": 0.5, "prompt_replay_size": 64})
+    trainer = build(cfg)
+    first, stats = trainer.collect()
+    G = cfg.sampling.group_size
+    prompts = [c["prompt"] for c in first.contexts[::G]]
+    rewards = first.rewards["total"].reshape(-1, G)
+    differing = [p for p, r in zip(prompts, rewards) if r.max() > r.min()]
+    assert 0 < len(differing) < len(prompts)  # odd answers differ, even ones are constant
+    assert [c["prompt"] for c in trainer.replay.buffer] == differing
+    assert stats["replay/pushed"] == len(differing) and stats["replay/drawn"] == 0
+    second, stats = trainer.collect()
+    n_replayed = min(4, len(differing))  # round(0.5 * 8), oldest first
+    assert [c["prompt"] for c in second.contexts[::G]][:n_replayed] == differing[:n_replayed]
+    assert stats["replay/drawn"] == n_replayed
+    # the replayed prompts left the buffer; the ones still informative came back behind the rest
+    left = differing[n_replayed:]
+    assert [c["prompt"] for c in trainer.replay.buffer][:len(left)] == left
+
+
+def test_prompt_replay_buffer_is_a_bounded_fifo():
+    from mmrl.prompt_replay import PromptReplay
+
+    replay = PromptReplay(capacity=3)
+    replay.push(["a", "b"])
+    replay.push(["c", "d"])
+    assert list(replay.buffer) == ["b", "c", "d"]  # full: the oldest went first
+    assert replay.draw(2) == ["b", "c"] and replay.draw(5) == ["d"] and len(replay) == 0
+
+
+def test_group_contexts_takes_each_selected_groups_context_once(tmp_path):
+    from mmrl.rollout import Rollout
+    from mmrl.trainer import group_contexts
+
+    ids = torch.tensor([7, 5, 7, 5, 9, 9])  # interleaved groups
+    rollout = Rollout(group_ids=ids, units=torch.zeros(6, 1), logp_old=torch.zeros(6, 1),
+                      mask=torch.ones(6, 1, dtype=torch.bool), truncated=torch.zeros(6, dtype=torch.bool),
+                      contexts=["a", "b", "a", "b", "c", "c"])
+    assert group_contexts(rollout, torch.tensor([True, False, True, False, True, True])) == ["a", "c"]
+    assert group_contexts(rollout, torch.zeros(6, dtype=torch.bool)) == []
+
+
+def test_guidance_adds_the_supervised_loss_of_failed_groups_to_the_update(tmp_path):
+    def make(**algo):  # no clipping: the gradients are compared as computed
+        return build(make_cfg(tmp_path, rewards=[{"name": "test_digit_share_odd_answers"}], algo=algo,
+                              train={"prompts_per_step": 8, "grad_clip": 1e9}))
+
+    trainer = make(guide_below=1e-6, guide_coef=0.5)
+    rollout, stats = trainer.collect()
+    G = trainer.cfg.sampling.group_size
+    best = rollout.rewards["total"].reshape(-1, G).amax(1)
+    failed = [c["prompt"] for c, b in zip(rollout.contexts[::G], best) if b < 1e-6]
+    assert 0 < len(failed) < 8 and [c["prompt"] for c in trainer.failed_contexts] == failed
+    assert stats["guide/failed_groups"] == len(failed)
+    # the update's gradient is the RL gradient plus 0.5 x the supervised gradient on those prompts
+    plain, sft_only = make(), make()
+    for t in (plain, sft_only):
+        t.policy.model.load_state_dict(trainer.policy.model.state_dict())
+    m = trainer.update(rollout, trainer.failed_contexts)
+    plain.update(rollout)
+    (0.5 * sft_only.policy.sft_loss(trainer.failed_contexts)).backward()
+    g_guided, g_plain, g_sft = grads(trainer), grads(plain), grads(sft_only)
+    assert m["train/guide_loss"] > 0
+    for k in g_guided:
+        assert torch.allclose(g_guided[k], g_plain[k] + g_sft[k], atol=1e-6, rtol=1e-4), k
+
+
+def test_guidance_steps_even_when_filtering_leaves_no_group(tmp_path):
+    if "test_zero" not in REWARDS:
+        register_reward("test_zero")(lambda contexts, outputs, **_: torch.zeros(len(outputs)))
+    trainer = build(make_cfg(tmp_path, rewards=[{"name": "test_zero"}],
+                             algo={"dynamic_sampling": True, "max_sampling_tries": 2, "guide_below": 0.5}))
+    before = weights(trainer)
+    m = trainer.train_step()
+    assert m["sampling/kept_groups"] == 0 and m["guide/failed_groups"] == 2 * trainer.cfg.train.prompts_per_step
+    assert m["train/guide_loss"] > 0 and "train/loss" not in m
+    assert any(not torch.equal(before[k], v) for k, v in weights(trainer).items())
+
+
+def test_guidance_without_targets_is_a_clear_error(tmp_path):
+    trainer = build(make_cfg(tmp_path, algo={"guide_below": 2.0}))  # every group "failed"
+    rollout, _ = trainer.collect()
+    for c in trainer.failed_contexts:
+        del c["target"]
+    with pytest.raises(ValueError, match="guide_below.*'target'"):
+        trainer.update(rollout, trainer.failed_contexts)
 
 
 def test_reused_sampler_logprobs_give_ratio_one(tmp_path):

@@ -19,11 +19,13 @@ from .losses import agg_denominator, aggregate, policy_loss
 from .kl import entropy_from_logits, kl_penalty
 from . import shaping
 from .shaping import (
+    failed_groups,
     gfpo_advantages,
     gfpo_keep,
     high_entropy_tokens,
     mask_truncated,
     nonconstant_groups,
+    one_row_per_group,
     overlong_penalty,
     redit,
     success_rate_filter,
@@ -55,6 +57,8 @@ __all__ = [
     "mask_truncated",
     "masked_whiten",
     "nonconstant_groups",
+    "failed_groups",
+    "one_row_per_group",
     "offline",
     "opd_advantages",
     "overlong_penalty",

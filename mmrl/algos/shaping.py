@@ -18,6 +18,8 @@ from .registry import AlgorithmError, as_bool_mask, check_finite, unknown_name_e
 __all__ = [
     "overlong_penalty",
     "nonconstant_groups",
+    "failed_groups",
+    "one_row_per_group",
     "mask_truncated",
     "gfpo_keep",
     "gfpo_advantages",
@@ -48,6 +50,19 @@ def nonconstant_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
     r = _prep_rewards(rewards)
     g = make_groups(group_ids, n=r.shape[0], device=r.device)
     return ~g.constant(r)
+
+
+def failed_groups(rewards: Tensor, group_ids: Tensor, below: float) -> Tensor:
+    """bool [N]: members of groups whose best reward is below `below` (every sample failed)."""
+    r = _prep_rewards(rewards)
+    g = make_groups(group_ids, n=r.shape[0], device=r.device)
+    return g.gather(g.amax(r)) < below
+
+
+def one_row_per_group(group_ids: Tensor) -> Tensor:
+    """bool [N]: True for exactly one member of each group (to take a group's shared context once)."""
+    g = make_groups(group_ids)
+    return g.rep == torch.arange(len(g.rep), device=g.rep.device)
 
 
 def mask_truncated(mask: Tensor, truncated: Tensor) -> Tensor:
