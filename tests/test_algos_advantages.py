@@ -39,6 +39,14 @@ def test_rloo_hand():
     close(a, [1 / 3, -1.0, 1 / 3, 1 / 3, 0.0])
 
 
+def test_w_reinforce_hand():
+    r = T([1.0, 0.0, -5.0, -5.0, -5.0, 2.0])
+    g = T([0, 0, 0, 1, 1, 2])
+    # no baseline: an all-failed group still pushes its samples down; positives scaled by lam
+    close(compute_advantages("w_reinforce", r, g), [0.1, 0.0, -5.0, -5.0, -5.0, 0.2])
+    close(compute_advantages("w_reinforce", r, g, lam=0.0), [0.0, 0.0, -5.0, -5.0, -5.0, 0.0])  # NSR
+
+
 def test_passk_ties_and_norm():
     r = T([3.0, 1.0, 3.0, 2.0, 5.0, 4.0, 7.0])
     g = T([0, 0, 0, 1, 1, 1, 2])

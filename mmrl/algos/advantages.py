@@ -223,6 +223,14 @@ def rloo_advantage(rewards: Tensor, groups: Groups) -> Tensor:
     return groups.centred(rewards)[0] * (n / (n - 1).clamp_min(1))
 
 
+@register_advantage("w_reinforce", citation="2506.01347")
+def w_reinforce_advantage(rewards: Tensor, groups: Groups, *, lam: float = 0.1) -> Tensor:
+    """W-REINFORCE: the reward itself, positive ones scaled by lam (no baseline; lam 0 = NSR)."""
+    # No group baseline: a group whose samples all failed still pushes its failures down, which
+    # frees probability for the alternatives instead of sharpening what already works.
+    return torch.where(rewards > 0, lam * rewards, rewards)
+
+
 @register_advantage("reinforce_pp", citation="2501.03262")
 def reinforce_pp_advantage(rewards: Tensor, groups: Groups, *, mask: Tensor | None = None) -> Tensor:
     """REINFORCE++ (group baseline): R - mean_g, whitened over all masked tokens of the batch."""
