@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+
 class PromptReplay:
     def __init__(self, capacity: int):
         if capacity < 1:
