@@ -166,11 +166,12 @@ class Trainer:
         rollout.rewards["total"] = total
         return total
 
-    def _keep_groups(self, rollout: Rollout) -> torch.Tensor:
+    def _keep_groups(self, rollout: Rollout, informative: torch.Tensor | None) -> torch.Tensor:
+        """`informative`: `nonconstant_groups` of the rollout, computed when dynamic sampling is on."""
         a = self.cfg.algo
         keep = torch.ones(len(rollout), dtype=torch.bool, device=self.device)
         if a.dynamic_sampling:
-            keep &= algos.nonconstant_groups(rollout.rewards["total"], rollout.group_ids)
+            keep &= informative
         if a.success_filter is not None:
             first = rollout.rewards[self.rewards[0][0]]
             keep &= algos.success_rate_filter(first, rollout.group_ids, *a.success_filter)
@@ -203,10 +204,12 @@ class Trainer:
                     stats[f"reward/{k}"] = v.mean().item()
                 stats["reward/std"] = rollout.rewards["total"].std().item() if len(rollout) > 1 else 0.0
             total, gids = rollout.rewards["total"], rollout.group_ids
+            informative = (algos.nonconstant_groups(total, gids)
+                           if cfg.algo.dynamic_sampling or self.replay is not None else None)
             if self.replay is not None:
-                informative = group_contexts(rollout, algos.nonconstant_groups(total, gids))
-                self.replay.push(informative)
-                stats["replay/pushed"] += len(informative)
+                unsettled = group_contexts(rollout, informative)
+                self.replay.push(unsettled)
+                stats["replay/pushed"] += len(unsettled)
                 stats["replay/drawn"] += len(replayed)
                 stats["replay/size"] = len(self.replay)
             if cfg.algo.guide_below is not None:
@@ -215,7 +218,7 @@ class Trainer:
             if not filtering:
                 parts.append(rollout)
                 break
-            keep = self._keep_groups(rollout)
+            keep = self._keep_groups(rollout, informative)
             parts.append(rollout.select(keep))
             kept_groups += int(keep.sum()) // G
             if kept_groups >= P or tries >= cfg.algo.max_sampling_tries:
@@ -253,6 +256,13 @@ class Trainer:
     def _micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
         size = self.cfg.train.micro_batch_size or len(idx)
         return list(idx.split(size))
+
+    def _optimizer_step(self) -> float:
+        """Clip the accumulated gradient, step the optimizer and the schedule; the pre-clip norm."""
+        grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return grad_norm.item()
 
     def guidance_backward(self, contexts: list[Any]) -> float:
         """Backward of guide_coef x the supervised loss on the expert targets of `contexts`."""
@@ -322,10 +332,7 @@ class Trainer:
                             sums[k] = min(sums.get(k, v), v)
                         else:
                             sums[k] += v * len(micro) / (N * t.ppo_epochs)  # row-weighted mean
-                grad_norm = clip_grad_norm(self.params, t.grad_clip)
-                self.optimizer.step()
-                self.scheduler.step()
-                sums["grad_norm"] += grad_norm.item()
+                sums["grad_norm"] += self._optimizer_step()
                 n_updates += 1
         out = {f"train/{k}": v / max(1, n_updates) if k in ("loss", "entropy", "kl_ref", "grad_norm") else v
                for k, v in sums.items()}
@@ -344,9 +351,7 @@ class Trainer:
             if self.failed_contexts:  # nothing for RL to learn from, but the guidance still applies
                 self.optimizer.zero_grad(set_to_none=True)
                 stats["train/guide_loss"] = self.guidance_backward(self.failed_contexts)
-                stats["train/grad_norm"] = clip_grad_norm(self.params, self.cfg.train.grad_clip).item()
-                self.optimizer.step()
-                self.scheduler.step()
+                stats["train/grad_norm"] = self._optimizer_step()
                 return stats
             self.log.warn(f"step {self.step}: no group left after filtering; skipping the update")
             return stats
