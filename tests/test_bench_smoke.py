@@ -60,3 +60,21 @@ def test_gpu_planning_bench_smoke(tmp_path):
         assert r["sft_steps"] >= 1 and r["rl_steps"] >= 1 and r["sample_tokens_per_s"] > 0
         for stage in ("before", "after"):
             assert 0.0 <= r[stage]["exact_match"] <= r[stage]["progress_rate"] + 1e-9 <= 1.0 + 1e-9
+
+
+def test_vprl_equal_cpu_bench_smoke(tmp_path):
+    """Issue 3's comparison end to end on tiny budgets: VPFT gets the GRPO run's CPU-s as SFT steps
+    at the rate its stage 1 measured, so it trains for more steps than stage 1 alone."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vprl_equal_cpu.py"), "--smoke", "--seeds", "0",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    (row,) = result["rows"]
+    assert row["grpo_steps"] == 2
+    assert row["vpft_steps"] == round(20 * row["grpo_cpu_s"] / row["stage1_cpu_s"])
+    assert row["vpft_steps"] > 20 and row["grpo_cpu_s"] > row["stage1_cpu_s"] > 0
+    for arm in ("stage1", "grpo", "vpft"):
+        assert all(0.0 <= v <= 100.0 for v in row[arm])
+    assert json.loads((tmp_path / "equal_cpu.json").read_text())["rows"] == result["rows"]
+    body = (tmp_path / "equal_cpu.md").read_text().splitlines()[2:]
+    assert [line.split(" | ")[0] for line in body] == ["| 0", "| mean of 1"]
