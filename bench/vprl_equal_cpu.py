@@ -11,8 +11,9 @@ that measured rate: VPFT steps = stage-1 steps x total CPU-s / stage-1 CPU-s. Bo
 cost the same (same model, batch, data), so the conversion does not depend on how loaded the machine
 is, as long as the load stays the same through one run. VPFT (`--vpft-config`) then trains for that
 many steps with its learning rate decayed to the end (an annealed baseline is the stronger one).
-Writes `equal_cpu.json` and `equal_cpu.md` (per-seed EM / PR table, means, verdict) to `--out`;
-the last line printed is the JSON.
+Writes `equal_cpu.md` (per-seed EM / PR table and means) and `equal_cpu.json` (the same, plus
+whether GRPO ended above both its stage 1 and VPFT, per seed) to `--out`; the last line printed is
+the JSON.
 """
 
 from __future__ import annotations
@@ -71,13 +72,12 @@ def compare_seed(seed: int, config: str, vpft_config: str, out: Path, extra: lis
     }
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], mean: dict[str, list[float]]) -> str:
     lines = ["| seed | stage 1 EM / PR | stage 1 + GRPO EM / PR | VPFT (cosine) EM / PR | CPU-s GRPO run / VPFT | VPFT steps |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['seed']} | {r['stage1'][0]:.1f} / {r['stage1'][1]:.1f} | {r['grpo'][0]:.1f} / {r['grpo'][1]:.1f} | "
                      f"{r['vpft'][0]:.1f} / {r['vpft'][1]:.1f} | {r['grpo_cpu_s']:.0f} / {r['vpft_cpu_s']:.0f} | {r['vpft_steps']} |")
-    mean = {k: np.mean([r[k] for r in rows], axis=0) for k in ("stage1", "grpo", "vpft")}
     lines.append(f"| mean of {len(rows)} | {mean['stage1'][0]:.1f} / {mean['stage1'][1]:.1f} | "
                  f"{mean['grpo'][0]:.1f} / {mean['grpo'][1]:.1f} | {mean['vpft'][0]:.1f} / {mean['vpft'][1]:.1f} | | |")
     return "\n".join(lines) + "\n"
@@ -96,10 +96,10 @@ def main() -> None:
     extra = SMOKE if args.smoke else []
     rows = [compare_seed(s, args.config, args.vpft_config, out, extra, args.overrides) for s in args.seeds]
     above = {k: [r["grpo"][i] > max(r["stage1"][i], r["vpft"][i]) for r in rows] for i, k in enumerate(("em", "pr"))}
-    result = {"rows": rows, "grpo_above_both_em": above["em"], "grpo_above_both_pr": above["pr"],
-              "mean": {k: list(np.mean([r[k] for r in rows], axis=0)) for k in ("stage1", "grpo", "vpft")}}
+    mean = {k: np.mean([r[k] for r in rows], axis=0).tolist() for k in ("stage1", "grpo", "vpft")}
+    result = {"rows": rows, "grpo_above_both_em": above["em"], "grpo_above_both_pr": above["pr"], "mean": mean}
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows)
+    table = markdown(rows, mean)
     atomic_write_text(out / "equal_cpu.md", table)
     atomic_write_text(out / "equal_cpu.json", json.dumps(result, indent=2))
     print(table, end="")
