@@ -20,32 +20,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
 from mmrl.checkpoint import atomic_write_text
+from mmrl.cli import run_training
+from mmrl.config import RunConfig, load_config
 
 SMOKE = ["sft.steps=20", "train.steps=2", "train.eval_size=12", "train.eval_every=0", "train.prompts_per_step=4",
          "model.params.vq_steps=20", "model.params.vq_layouts=10", "task.params.n_train=30", "task.params.n_test=4"]
 
 
-def _run(config: str, overrides: list[str]) -> tuple[dict, float, float]:
-    """Train like `mmrl train`; returns (results, training CPU-s without evaluations, stage-1 CPU-s)."""
-    from mmrl.cli import _build
-    from mmrl.config import load_config
-    from mmrl.trainer import Trainer
-
+def _run(config: str, overrides: list[str]) -> tuple[RunConfig, dict, float, float]:
+    """Train like `mmrl train`; returns (config, results, training CPU-s without evaluations, stage-1 CPU-s)."""
     cfg = load_config(config, overrides)
-    task, policy = _build(cfg)
-    trainer = Trainer(cfg, policy, task)
-    cpu0, eval0 = time.process_time(), getattr(task, "eval_cpu_s", 0.0)
-    results = trainer.train(resume=False)
-    train_cpu = time.process_time() - cpu0 - (getattr(task, "eval_cpu_s", 0.0) - eval0)
+    task, results, cpu_s = run_training(cfg, resume=False)
     rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
     sft_cpu = next((r["sft/cpu_s"] for r in rows if "sft/cpu_s" in r), 0.0)
-    return results, train_cpu, sft_cpu
+    return cfg, results, task.training_cpu_s(cpu_s), sft_cpu
 
 
 def _em_pr(evaluation: dict) -> tuple[float, float]:
@@ -54,17 +47,14 @@ def _em_pr(evaluation: dict) -> tuple[float, float]:
 
 def compare_seed(seed: int, config: str, vpft_config: str, out: Path, extra: list[str],
                  main_overrides: list[str]) -> dict:
-    from mmrl.config import load_config
-
     common = [f"train.seed={seed}", "train.progress=false"] + extra
-    main_args = common + main_overrides
-    main, main_cpu, sft_cpu = _run(config, main_args + [f"train.output_dir={out / f'grpo_s{seed}'}"])
-    sft_steps = load_config(config, main_args).sft.steps
+    main_cfg, main, main_cpu, sft_cpu = _run(config, common + main_overrides + [f"train.output_dir={out / f'grpo_s{seed}'}"])
+    sft_steps = main_cfg.sft.steps
     if sft_steps <= 0 or sft_cpu <= 0:
         raise ValueError(f"{config}: the main job needs a stage 1 (sft.steps > 0) to measure the SFT rate")
     vpft_steps = max(1, round(sft_steps * main_cpu / sft_cpu))
-    vpft, vpft_cpu, _ = _run(vpft_config, common + [f"sft.steps={vpft_steps}", "sft.lr_schedule=cosine", "train.steps=0",
-                                                   f"train.output_dir={out / f'vpft_s{seed}'}"])
+    _, vpft, vpft_cpu, _ = _run(vpft_config, common + [f"sft.steps={vpft_steps}", "sft.lr_schedule=cosine",
+                                                      "train.steps=0", f"train.output_dir={out / f'vpft_s{seed}'}"])
     return {
         "seed": seed, "stage1": _em_pr(main["eval_before"]), "grpo": _em_pr(main["eval_after"]),
         "vpft": _em_pr(vpft["eval_after"]), "grpo_cpu_s": main_cpu, "stage1_cpu_s": sft_cpu,

@@ -24,16 +24,23 @@ def _build(cfg):
     return task, policy
 
 
-def cmd_train(args) -> int:
-    from mmrl.config import load_config
+def run_training(cfg, resume: bool = True):
+    """Build the task and policy of `cfg` and train; returns (task, results, process CPU-s of the
+    training call, evaluations included)."""
     from mmrl.trainer import Trainer
 
-    cfg = load_config(args.config, args.overrides)
     task, policy = _build(cfg)
     trainer = Trainer(cfg, policy, task)
     cpu0 = time.process_time()
-    results = trainer.train(resume=not args.no_resume)
-    cpu_s = time.process_time() - cpu0
+    results = trainer.train(resume=resume)
+    return task, results, time.process_time() - cpu0
+
+
+def cmd_train(args) -> int:
+    from mmrl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    task, results, cpu_s = run_training(cfg, resume=not args.no_resume)
     from mmrl.evals.report import write_report
 
     report = write_report(cfg.train.output_dir)

@@ -371,12 +371,16 @@ class PlanningTask:
         self.eval_cpu_s += time.process_time() - t0
         return out
 
+    def training_cpu_s(self, cpu_s: float) -> float:
+        """`cpu_s` (process time of a training call on this task) without the time spent in `evaluate`."""
+        return max(cpu_s - self.eval_cpu_s, 0.0)
+
     def summarize(self, results: dict[str, Any], out_dir: str, cpu_s: float | None = None) -> str:
         """The held-out table before RL (after SFT) and after it, written to out_dir/before_after.md
         (and .json) and returned for printing. `cpu_s`: process time of the whole training call;
         the time spent in `evaluate` is taken out of it."""
         from mmrl.evals.planning_eval import ENV_TITLES, write_before_after
 
-        train_cpu = None if cpu_s is None else max(cpu_s - self.eval_cpu_s, 0.0)
+        train_cpu = None if cpu_s is None else self.training_cpu_s(cpu_s)
         return write_before_after(results, out_dir, train_cpu, title=f"{ENV_TITLES[self.env]}, held-out "
                                   f"{'/'.join(f'{s}x{s}' for s in self.sizes)}")
