@@ -68,6 +68,19 @@ def test_reinforce_pp_token_weighted_whitening():
     close(compute_advantages("reinforce_pp", r, g), T([0.5, -0.5, 0.5, -0.5]) / math.sqrt(1 / 3 + 1e-8))
 
 
+def test_reinforce_pp_batch_pushes_down_an_all_failed_group():
+    r = T([1.0, 1.0, -5.0, -5.0, 1.0, 0.0])
+    g = T([0, 0, 1, 1, 2, 2])  # group 1 failed on every sample: GRPO gives it 0
+    mask = T([[1, 1], [1, 1], [1, 0], [1, 0], [1, 1], [1, 1]]).bool()  # lens 2, 2, 1, 1, 2, 2
+    # token-weighted mean = (2 + 2 - 5 - 5 + 2 + 0) / 10 = -0.4; var = sum w (r - mean)^2 / 9
+    var = (6 * 1.4**2 + 2 * 4.6**2 + 2 * 0.4**2) / 9
+    expect = (r + 0.4) / math.sqrt(var + 1e-8)
+    a = compute_advantages("reinforce_pp_batch", r, g, mask=mask)
+    close(a, expect)
+    assert a[2] < 0 and a[3] < 0 and a[0] > 0
+    assert torch.equal(compute_advantages("grpo", r, g)[2:4], torch.zeros(2))
+
+
 def test_mapo_hand():
     r = T([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0])
     g = T([0, 0, 0, 0, 1, 1, 2, 2])

@@ -231,10 +231,8 @@ def w_reinforce_advantage(rewards: Tensor, groups: Groups, *, lam: float = 0.1) 
     return torch.where(rewards > 0, lam * rewards, rewards)
 
 
-@register_advantage("reinforce_pp", citation="2501.03262")
-def reinforce_pp_advantage(rewards: Tensor, groups: Groups, *, mask: Tensor | None = None) -> Tensor:
-    """REINFORCE++ (group baseline): R - mean_g, whitened over all masked tokens of the batch."""
-    x = dr_grpo_advantage(rewards, groups)
+def _whiten_over_tokens(x: Tensor, mask: Tensor | None) -> Tensor:
+    """Whiten per-sequence values [N] as if broadcast to each sequence's masked tokens."""
     if mask is None:
         w = torch.ones_like(x)
     else:
@@ -246,6 +244,20 @@ def reinforce_pp_advantage(rewards: Tensor, groups: Groups, *, mask: Tensor | No
     mean = (w * x).sum() / n_tok.clamp_min(1)
     var = (w * (x - mean).square()).sum() / (n_tok - 1).clamp_min(1)
     return (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+
+
+@register_advantage("reinforce_pp", citation="2501.03262")
+def reinforce_pp_advantage(rewards: Tensor, groups: Groups, *, mask: Tensor | None = None) -> Tensor:
+    """REINFORCE++ (group baseline): R - mean_g, whitened over all masked tokens of the batch."""
+    return _whiten_over_tokens(dr_grpo_advantage(rewards, groups), mask)
+
+
+@register_advantage("reinforce_pp_batch", citation="2501.03262")
+def reinforce_pp_batch_advantage(rewards: Tensor, groups: Groups, *, mask: Tensor | None = None) -> Tensor:
+    """REINFORCE++ (batch baseline): R whitened over all masked tokens of the batch; no group mean."""
+    # Without a group baseline a group whose samples all failed sits below the batch mean and is
+    # pushed down, where GRPO gives it zero advantage.
+    return _whiten_over_tokens(rewards, mask)
 
 
 @register_advantage("passk", citation="2503.19595")
