@@ -80,6 +80,21 @@ def test_task_contexts_and_targets():
     ctx = opt.sft_batch(100, np.random.default_rng(1))
     for c in ctx:
         assert c["layout"].dist_of(c["target_state"]) == c["layout"].dist_of(c["state"]) - 1
+    # sft_random_move_prob: states still along optimal plans, a share of the labels any valid move
+    mixed = make_task("planning", seed=0, env="frozenlake", sizes=[3, 4], n_train=30, n_test=5, sft_mode="optimal",
+                      sft_random_move_prob=0.5)
+    ctx = mixed.sft_batch(400, np.random.default_rng(1))
+    r = step_rewards(np.stack([c["state"] for c in ctx]), np.stack([c["target_state"] for c in ctx]),
+                     [c["layout"] for c in ctx])
+    assert (r >= 0).all()  # never an invalid move
+    # P(label makes no progress) = 0.5 * mean share of non-optimal valid moves (about 1/2 here)
+    assert 0.12 < (r == 0).mean() < 0.38
+    same = make_task("planning", seed=0, env="frozenlake", sizes=[3, 4], n_train=30, n_test=5, sft_mode="optimal",
+                     sft_random_move_prob=0.0)
+    a, b = opt.sft_batch(50, np.random.default_rng(2)), same.sft_batch(50, np.random.default_rng(2))
+    assert all((x["target_state"] == y["target_state"]).all() for x, y in zip(a, b))  # 0: VPFT's stream unchanged
+    with pytest.raises(ValueError, match="sft_random_move_prob"):
+        make_task("planning", seed=0, sft_random_move_prob=1.5, n_train=2, n_test=1)
 
 
 def _steps_from_start(task, c) -> int:

@@ -138,7 +138,7 @@ class PlanningTask:
                  sft_mode: Literal["random_walk", "optimal"] = "random_walk", paper_split: str | None = None,
                  ood_sizes: list[int] | tuple[int, ...] = (), rl_start_prob: float = 0.25,
                  rl_states: Literal["reachable", "optimal_path"] = "reachable", plan_slack: int = 4,
-                 generator_params: dict | None = None):
+                 sft_random_move_prob: float = 0.0, generator_params: dict | None = None):
         self.env = canonical_task(env)
         if sft_mode not in SFT_MODES:
             raise ValueError(f"task.params.sft_mode: invalid value {sft_mode!r}; valid: {', '.join(SFT_MODES)}")
@@ -151,6 +151,8 @@ class PlanningTask:
             raise ValueError(f"task.params.rl_states: invalid value {rl_states!r}; valid: {', '.join(RL_STATES)}")
         if not 0.0 <= rl_start_prob <= 1.0:
             raise ValueError(f"task.params.rl_start_prob must be in [0, 1], got {rl_start_prob}")
+        if not 0.0 <= sft_random_move_prob <= 1.0:
+            raise ValueError(f"task.params.sft_random_move_prob must be in [0, 1], got {sft_random_move_prob}")
         min_cell = 16 if self.env == "maze" else 12
         if cell_size < min_cell:
             raise ValueError(f"task.params.cell_size must be >= {min_cell} px for {self.env} (the parser "
@@ -159,6 +161,7 @@ class PlanningTask:
         self.sizes = sizes
         self.cell_size = int(cell_size)
         self.sft_mode = sft_mode
+        self.sft_random_move_prob = float(sft_random_move_prob)
         self.rl_start_prob = float(rl_start_prob)
         self.rl_states = rl_states
         self.plan_slack = int(plan_slack)
@@ -256,7 +259,8 @@ class PlanningTask:
     def sft_batch(self, n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
         """Random-walk mode: a state along a random valid walk from the start, target a random
         valid move (stage 1 of VPRL). Optimal mode: a state along a random optimal plan, target
-        its next optimal state (VPFT)."""
+        its next optimal state (VPFT), or with probability `sft_random_move_prob` a random valid
+        move from it."""
         out = []
         for _ in range(n):
             lid, lay = self.train[int(rng.integers(len(self.train)))]
@@ -264,8 +268,11 @@ class PlanningTask:
             s = 0
             if self.sft_mode == "optimal":
                 s = self._optimal_walk(g, rng)
-                opt = g.optimal_actions(s)
-                t = int(g.next[s, opt[rng.integers(len(opt))]])
+                # With sft_random_move_prob the label is any valid move instead: the policy keeps
+                # probability on the alternatives, so RL's samples still explore after SFT.
+                explore = self.sft_random_move_prob > 0 and rng.random() < self.sft_random_move_prob
+                moves = g.valid_actions(s) if explore else g.optimal_actions(s)
+                t = int(g.next[s, moves[rng.integers(len(moves))]])
             else:
                 # walk up to ~the plan horizon; a walk that hits a terminal state restarts
                 for _ in range(int(rng.integers(int(g.dist[0]) + self.plan_slack + 1))):
