@@ -4,13 +4,15 @@ alone, cosine learning rate) given the same training CPU-seconds, over several s
     python bench/vprl_equal_cpu.py --seeds 0 1 2 3 4      # ~9 CPU-min per seed, one thread each
     python bench/vprl_equal_cpu.py --smoke                # tiny run of the same path (CI)
     python bench/vprl_equal_cpu.py --seeds 0 train.steps=100   # key=value: overrides of the main job only
+    python bench/vprl_equal_cpu.py --config configs/vprl_maze_grpo.yaml --seeds 0   # another task
 
 For each seed it runs the main config (`--config`) as `mmrl train` does, reads how many CPU-s its
 stage 1 took, and converts the whole run's training CPU-s (evaluations excluded) into SFT steps at
 that measured rate: VPFT steps = stage-1 steps x total CPU-s / stage-1 CPU-s. Both arms' SFT steps
 cost the same (same model, batch, data), so the conversion does not depend on how loaded the machine
-is, as long as the load stays the same through one run. VPFT (`--vpft-config`) then trains for that
-many steps with its learning rate decayed to the end (an annealed baseline is the stronger one).
+is, as long as the load stays the same through one run. VPFT (the main config's SFT stage on
+optimal moves without GRPO, or `--vpft-config`) then trains for that many steps with its learning
+rate decayed to the end (an annealed baseline is the stronger one).
 Writes `equal_cpu.md` (per-seed EM / PR table and means) and `equal_cpu.json` (the same, plus
 whether GRPO ended above both its stage 1 and VPFT, per seed) to `--out`; the last line printed is
 the JSON.
@@ -45,7 +47,7 @@ def _em_pr(evaluation: dict) -> tuple[float, float]:
     return 100 * evaluation["eval/exact_match"], 100 * evaluation["eval/progress_rate"]
 
 
-def compare_seed(seed: int, config: str, vpft_config: str, out: Path, extra: list[str],
+def compare_seed(seed: int, config: str, vpft_config: str | None, out: Path, extra: list[str],
                  main_overrides: list[str]) -> dict:
     common = [f"train.seed={seed}", "train.progress=false"] + extra
     main_cfg, main, main_cpu, sft_cpu = _run(config, common + main_overrides + [f"train.output_dir={out / f'grpo_s{seed}'}"])
@@ -53,8 +55,10 @@ def compare_seed(seed: int, config: str, vpft_config: str, out: Path, extra: lis
     if sft_steps <= 0 or sft_cpu <= 0:
         raise ValueError(f"{config}: the main job needs a stage 1 (sft.steps > 0) to measure the SFT rate")
     vpft_steps = max(1, round(sft_steps * main_cpu / sft_cpu))
-    _, vpft, vpft_cpu, _ = _run(vpft_config, common + [f"sft.steps={vpft_steps}", "sft.lr_schedule=cosine",
-                                                      "train.steps=0", f"train.output_dir={out / f'vpft_s{seed}'}"])
+    # Without a VPFT config of its own, VPFT is the main config's SFT stage on optimal moves alone.
+    pure = [] if vpft_config else ["task.params.sft_mode=optimal", "task.params.sft_random_move_prob=0.0"]
+    _, vpft, vpft_cpu, _ = _run(vpft_config or config, common + pure + [
+        f"sft.steps={vpft_steps}", "sft.lr_schedule=cosine", "train.steps=0", f"train.output_dir={out / f'vpft_s{seed}'}"])
     return {
         "seed": seed, "stage1": _em_pr(main["eval_before"]), "grpo": _em_pr(main["eval_after"]),
         "vpft": _em_pr(vpft["eval_after"]), "grpo_cpu_s": main_cpu, "stage1_cpu_s": sft_cpu,
@@ -76,7 +80,8 @@ def markdown(rows: list[dict], mean: dict[str, list[float]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/vprl_frozenlake_grpo.yaml")
-    ap.add_argument("--vpft-config", default="configs/vprl_frozenlake_vpft.yaml")
+    ap.add_argument("--vpft-config", default=None,
+                    help="VPFT's own config (default: --config's SFT stage on optimal moves, without GRPO)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--out", default="runs/vprl_equal_cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny models and budgets: checks the path, not the result")

@@ -249,7 +249,7 @@ class Trainer:
             keep = algos.gfpo_keep(rewards, rollout.group_ids, a.gfpo_keep, a.gfpo_metric, rollout.lengths)
             return algos.gfpo_advantages(rewards, rollout.group_ids, keep)
         params = dict(a.advantage_params)
-        if self.advantage in ("reinforce_pp", "reinforce_pp_batch"):
+        if "mask" in algos.get_advantage_spec(self.advantage).params:  # token-weighted statistics
             params["mask"] = rollout.mask
         return algos.compute_advantages(self.advantage, rewards, rollout.group_ids, **params)
 

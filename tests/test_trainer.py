@@ -278,6 +278,21 @@ def test_gfpo_gives_zero_advantage_to_filtered_members(tmp_path):
             assert kept_len.max() <= rollout.lengths[rows].sort().values[2]
 
 
+@pytest.mark.parametrize("name", ["reinforce_pp", "reinforce_pp_batch"])
+def test_token_weighted_advantages_get_the_rollout_mask(tmp_path, name):
+    """Estimators that whiten over tokens are given the rollout's mask: longer completions weigh more."""
+    from mmrl.algos import compute_advantages
+
+    trainer = build(make_cfg(tmp_path, algo={"advantage": name}))
+    rollout, _ = trainer.collect()
+    assert len(set(rollout.lengths.tolist())) > 1  # otherwise the mask would not matter
+    # rewards spread over every group (a tiny random model's own are mostly 0)
+    rewards = rollout.rewards["total"] = torch.rand(len(rollout.lengths), generator=torch.Generator().manual_seed(0))
+    expect = compute_advantages(name, rewards, rollout.group_ids, mask=rollout.mask)
+    torch.testing.assert_close(trainer.advantages(rollout), expect)
+    assert not torch.allclose(expect, compute_advantages(name, rewards, rollout.group_ids))
+
+
 def test_several_epochs_and_mini_batches_clip_off_policy_ratios(tmp_path):
     cfg = make_cfg(tmp_path, train={"ppo_epochs": 3, "mini_batches": 2, "lr": 2e-2},
                    algo={"loss": "grpo", "loss_params": {"eps_low": 0.05, "eps_high": 0.05}})
