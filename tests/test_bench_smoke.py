@@ -65,7 +65,8 @@ def test_gpu_session_smoke(tmp_path):
     assert [r["env"] for r in planning] == ["frozenlake", "maze"]
     for r in planning:
         assert r["sft_steps"] >= 1 and r["rl_steps"] >= 1 and r["sample_tokens_per_s"] > 0
-        assert {"exact_match", "progress_rate"} <= set(r["after"])
+        for stage in ("before", "after"):
+            assert 0.0 <= r[stage]["exact_match"] <= r[stage]["progress_rate"] + 1e-9 <= 1.0 + 1e-9
     assert results["vla_tabletop"]["env_steps"] > 0 and results["vla_tabletop"]["update_tokens_per_s"] > 0
     assert results["caption"]["captions_per_s"] > 0 and results["caption"]["judged_questions_per_s"] > 0
 
