@@ -108,6 +108,8 @@ class SFTConfig:
     lr: float = 3e-3
     # constant, or cosine from lr to lr * train.min_lr_ratio over sft.steps
     lr_schedule: Literal["constant", "cosine"] = "constant"
+    # linear ramp from lr / warmup_steps to lr over the first steps (then constant or cosine)
+    warmup_steps: int = 0
     examples: int = 2000
     # > 0: stop SFT once its loop has used this many CPU-seconds (process time), whichever of the
     # two limits comes first: baselines trained for the same compute as another run
@@ -317,6 +319,7 @@ def validate(cfg: RunConfig) -> None:
     _check(s.temperature > 0, f"sampling.temperature must be > 0, got {s.temperature}")
     _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
     _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
+    _check(cfg.sft.warmup_steps >= 0, f"sft.warmup_steps must be >= 0, got {cfg.sft.warmup_steps}")
     _check(cfg.sft.max_cpu_s >= 0, f"sft.max_cpu_s must be >= 0 (0 = no limit), got {cfg.sft.max_cpu_s}")
     _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
     _check(t.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {t.prompts_per_step}")

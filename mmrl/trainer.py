@@ -130,8 +130,8 @@ class Trainer:
             return
         rng = np.random.default_rng(self.cfg.train.seed + 2)
         opt = make_adamw(self.params, lr=s.lr)
-        decay = warmup_cosine(0, s.steps, self.cfg.train.min_lr_ratio) if s.lr_schedule == "cosine" else (lambda _: 1.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+        floor = self.cfg.train.min_lr_ratio if s.lr_schedule == "cosine" else 1.0  # a floor of 1: constant after warmup
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(s.warmup_steps, s.steps, floor))
         self.policy.model.train()
         bar = _progress(range(s.steps), "sft", self.cfg.train.progress)
         cpu_start, done = time.process_time(), 0
