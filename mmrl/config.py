@@ -106,7 +106,7 @@ class SFTConfig:
     steps: int = 0  # warm-start steps before RL; 0 skips it
     batch_size: int = 32
     lr: float = 3e-3
-    # constant, or cosine from lr to lr * train.min_lr_ratio over sft.steps
+    # constant, or cosine from lr to lr * train.min_lr_ratio over the sft.steps after the warmup
     lr_schedule: Literal["constant", "cosine"] = "constant"
     # linear ramp from lr / warmup_steps to lr over the first steps (then constant or cosine)
     warmup_steps: int = 0

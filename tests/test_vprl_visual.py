@@ -329,14 +329,18 @@ def test_sft_stops_at_its_cpu_budget(built, tmp_path):
         make_cfg(tmp_path, sft={"max_cpu_s": -1})
 
 
-@pytest.mark.parametrize("schedule", ["constant", "cosine"])
-def test_sft_lr_schedule(built, tmp_path, schedule):
-    cfg, task, policy = built
-    cfg = make_cfg(tmp_path, sft={"steps": 5, "batch_size": 2, "lr": 1e-3, "lr_schedule": schedule},
-                   train={"steps": 0, "min_lr_ratio": 0.1})
+def _sft_lrs(built, tmp_path, **sft) -> list[float]:
+    """The learning rate of every SFT step (lr 1e-3, train.min_lr_ratio 0.1), as logged."""
+    _, task, policy = built
+    cfg = make_cfg(tmp_path, sft={"batch_size": 2, "lr": 1e-3, **sft}, train={"steps": 0, "min_lr_ratio": 0.1})
     Trainer(cfg, copy.deepcopy(policy), task).sft()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    lrs = [r["sft/lr"] for r in rows if "sft/lr" in r]
+    return [r["sft/lr"] for r in rows if "sft/lr" in r]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_sft_lr_schedule(built, tmp_path, schedule):
+    lrs = _sft_lrs(built, tmp_path, steps=5, lr_schedule=schedule)
     assert len(lrs) == 5 and lrs[0] == pytest.approx(1e-3)
     if schedule == "constant":
         assert lrs == [pytest.approx(1e-3)] * 5
@@ -344,22 +348,17 @@ def test_sft_lr_schedule(built, tmp_path, schedule):
         assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.8)))
 
 
-
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
 def test_sft_warmup(built, tmp_path, schedule):
-    cfg, task, policy = built
-    cfg = make_cfg(tmp_path, sft={"steps": 6, "batch_size": 2, "lr": 1e-3, "lr_schedule": schedule, "warmup_steps": 3},
-                   train={"steps": 0, "min_lr_ratio": 0.1})
-    Trainer(cfg, copy.deepcopy(policy), task).sft()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    lrs = [r["sft/lr"] for r in rows if "sft/lr" in r]
-    assert lrs[:3] == [pytest.approx(1e-3 / 3), pytest.approx(2e-3 / 3), pytest.approx(1e-3)]  # linear ramp
+    lrs = _sft_lrs(built, tmp_path, steps=6, lr_schedule=schedule, warmup_steps=3)
+    assert len(lrs) == 6 and lrs[:3] == [pytest.approx(1e-3 / 3), pytest.approx(2e-3 / 3), pytest.approx(1e-3)]  # linear ramp
     if schedule == "constant":
         assert lrs[3:] == [pytest.approx(1e-3)] * 3
     else:  # the cosine starts from the peak after the ramp
         assert lrs[3] == pytest.approx(1e-3) and lrs[3] > lrs[4] > lrs[5] > 1e-4
     with pytest.raises(ConfigError, match="sft.warmup_steps"):
         make_cfg(tmp_path, sft={"warmup_steps": -1})
+
 
 def test_from_pretrained_round_trip(built, tmp_path):
     _, task, policy = built
