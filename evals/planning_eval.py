@@ -60,6 +60,8 @@ def evaluate_planner(policy, task, splits: Sequence[str] = ("test",), n: int | N
         for p in plans:
             stops[p.get("stop", "?")] = stops.get(p.get("stop", "?"), 0) + 1
         entry["stop_reasons"] = stops
+        if split == "paper":  # our training split is drawn without looking at the paper's layouts
+            entry["in_training"] = task.paper_overlap()
         results[split] = entry
         raw[split] = (contexts, plans)
     return results, raw
@@ -82,6 +84,10 @@ def split_markdown(results: dict[str, Any], title: str = "") -> str:
             lines.append(f"| {split} | {size} | {int(m['n'])} | {_pct(m['exact_match'])} | "
                          f"{_pct(m['progress_rate'])} | {_pct(m['success_rate'])} | "
                          f"{_pct(m['invalid_share_of_failures'])} |")
+    overlap = results.get("paper", {}).get("in_training")
+    if overlap is not None:
+        lines += ["", f"{overlap} of the paper's {int(results['paper']['n'])} test layouts are also in the "
+                  "training split (it is drawn without looking at them)."]
     return "\n".join(lines).lstrip() + "\n"
 
 
@@ -160,22 +166,35 @@ def plot_em_pr(run_dir: str | Path, out: str | Path | None = None) -> Path | Non
     import matplotlib.pyplot as plt
 
     out = Path(out or Path(run_dir) / "em_pr.png")
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig = em_pr_figure(rows)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def em_pr_figure(rows: list[dict[str, Any]]):
+    """The EM / PR / success curves of `rows` (metrics.jsonl eval rows) as a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
     steps = [r["step"] for r in rows]
-    for key, label in (("eval/exact_match", "exact match"), ("eval/progress_rate", "progress rate"),
-                       ("eval/success_rate", "success")):
-        ax.plot(steps, [r.get(key, np.nan) for r in rows], "o-", label=label)
+    # Success often equals EM: distinct markers and line styles keep a line visible under another.
+    for key, label, style in (("eval/exact_match", "exact match (EM)", dict(marker="o", ls="-", lw=2.2)),
+                              ("eval/progress_rate", "progress rate (PR)", dict(marker="s", ls="--", lw=1.6)),
+                              ("eval/success_rate", "success", dict(marker="^", ls=":", lw=1.4, ms=8, mfc="none"))):
+        ax.plot(steps, [r.get(key, np.nan) for r in rows], label=label, **style)
     levels = sorted({k.rsplit("_L", 1)[1] for r in rows for k in r if k.startswith("eval/exact_match_L")})
     for lv in levels:
-        ax.plot(steps, [r.get(f"eval/exact_match_L{lv}", np.nan) for r in rows], ":", lw=1, label=f"EM {lv}x{lv}")
-    ax.set_xlabel("RL step")
+        ax.plot(steps, [r.get(f"eval/exact_match_L{lv}", np.nan) for r in rows], "-.", lw=1, alpha=0.7,
+                label=f"EM {lv}x{lv}")
+    ax.set_xlabel("RL step (0 = after SFT)")
+    ax.set_ylabel("share of held-out layouts")
+    ax.set_title("Held-out closed-loop plans", fontsize=10)
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def plan_gif(context: dict[str, Any], plan: dict[str, Any], path: str | Path, cell_size: int = 16,
@@ -198,11 +217,24 @@ def plan_gif(context: dict[str, Any], plan: dict[str, Any], path: str | Path, ce
         if gen.shape != first.shape:
             gen = blank
         tiles.append(np.concatenate([gen, gap, parsed, gap, ref], 1))
+    tiles = [_label_tile(np.repeat(np.repeat(tile, scale, 0), scale, 1), t, first.shape[1] * scale, 4 * scale)
+             for t, tile in enumerate(tiles)]
     tiles += [tiles[-1]] * 2  # linger on the last step
-    tiles = [np.repeat(np.repeat(t, scale, 0), scale, 1) for t in tiles]
     path = Path(path)
     imageio.mimsave(path, tiles, duration=1.0 / fps, loop=0)
     return path
+
+
+def _label_tile(tile: np.ndarray, step: int, panel_w: int, gap_w: int) -> np.ndarray:
+    """`tile` with a white strip above it naming each panel and the plan step."""
+    from PIL import Image, ImageDraw
+
+    strip = Image.new("RGB", (tile.shape[1], 14), "white")
+    draw = ImageDraw.Draw(strip)
+    names = (f"drawn (step {step})", "parsed", "optimal")
+    for i, name in enumerate(names):
+        draw.text((i * (panel_w + gap_w) + 2, 1), name, fill=(0, 0, 0))
+    return np.concatenate([np.asarray(strip), tile], 0)
 
 
 # ----------------------------------------------------------------------------- one run's report
@@ -271,17 +303,11 @@ def report_checkpoint(cfg, task, policy, checkpoint: str | Path | None, out: str
     write the planner report (default folder: <run>/eval) and print its table."""
     import torch
 
-    from mmrl.checkpoint import find_latest, load_checkpoint
+    from mmrl.checkpoint import load_checkpoint, resolve_checkpoint
 
     run_dir = Path(cfg.train.output_dir)
     if checkpoint:
-        ckpt = Path(checkpoint)
-        if (ckpt / "model.safetensors").is_file():
-            run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-        else:
-            run_dir, ckpt = ckpt, find_latest(ckpt)
-            if ckpt is None:
-                raise FileNotFoundError(f"no checkpoint (step_*/model.safetensors) under {run_dir}")
+        run_dir, ckpt = resolve_checkpoint(checkpoint)
         load_checkpoint(ckpt, policy.model)
     with torch.no_grad():
         record = write_planner_report(policy, task, out or run_dir / "eval", method or run_dir.name, splits, n,

@@ -46,7 +46,9 @@ def plan_outcomes(plans: Sequence[Any], layouts: Sequence[Layout]) -> PlanOutcom
     kinds, mask = sc.kinds, sc.mask
     reached = mask & (kinds == StepKind.PROGRESS) & (sc.dist_next == 0)
     success = reached.any(1)
-    steps_to_goal = np.where(success, reached.argmax(1) + 1, -1)
+    # argmax of a [B, 0] array (every plan start-only) raises; no step means no goal reached
+    first_goal = reached.argmax(1) if reached.shape[1] else np.zeros(len(layouts), np.int64)
+    steps_to_goal = np.where(success, first_goal + 1, -1)
     invalid = mask & (kinds >= StepKind.UNPARSEABLE)
     correct = mask & (kinds == StepKind.PROGRESS) & (sc.dist_next == sc.dist_prev - 1)
     prefix = np.cumprod(correct, axis=1).sum(1) if correct.shape[1] else np.zeros(len(layouts), np.int64)

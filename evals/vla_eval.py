@@ -274,7 +274,7 @@ def write_vla_report(policy, suites: Sequence[tuple[str, Any]], out_dir: str | P
 def _load_policy(cfg, checkpoint: str | None):
     """The config's policy with the checkpoint's weights: a run dir (latest step), a step_NNNNNN
     dir, or a directory written by `policy.save` (the run's final/)."""
-    from mmrl.checkpoint import find_latest, load_checkpoint
+    from mmrl.checkpoint import load_checkpoint, resolve_checkpoint
     from mmrl.cli import _build
 
     run_dir = Path(cfg.train.output_dir)
@@ -287,12 +287,7 @@ def _load_policy(cfg, checkpoint: str | None):
         cfg.model.source, cfg.model.path = "pretrained", str(ckpt)
         task, policy = _build(cfg)
         return task, policy, ckpt.parent
-    if not (ckpt / "model.safetensors").is_file():
-        run_dir, ckpt = ckpt, find_latest(ckpt)
-        if ckpt is None:
-            raise FileNotFoundError(f"no checkpoint (step_*/model.safetensors or policy.save output) under {run_dir}")
-    else:
-        run_dir = ckpt.parent
+    run_dir, ckpt = resolve_checkpoint(ckpt)
     task, policy = _build(cfg)
     load_checkpoint(ckpt, policy.model)
     return task, policy, run_dir

@@ -3,12 +3,16 @@
 A checkpoint is a directory `step_000012/` holding the model weights (safetensors), the optimizer
 and scheduler states, every RNG state and the data cursor. It is written to a temporary sibling
 and renamed into place, so a crash mid-write never leaves a half checkpoint that looks whole;
-`latest` is a small text file replaced atomically after the rename.
+`latest` is a small text file replaced atomically after the rename. `meta.json` records each
+file's size and SHA-256: loading checks them, names a damaged file, and a run directory resolves
+to its newest checkpoint that is whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -18,11 +22,17 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
+
+log = logging.getLogger("mmrl")
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+RUN_CONFIG = "config.yaml"  # the resolved config a run folder was started with
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -57,8 +67,21 @@ def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator])
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+CHECKPOINT_FILES = ("model.safetensors", "trainer_state.pt")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
                     keep: int = 2) -> Path:
+    """Write `checkpoints/step_NNNNNN/` atomically; `meta.json` records each file's size and SHA-256
+    so that loading can tell a damaged file from a whole one."""
     run_dir = Path(run_dir)
     ckpt_root = run_dir / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -75,7 +98,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, trai
             seen[ptr] = k
         save_file(weights, str(tmp / "model.safetensors"))
         torch.save(trainer_state, tmp / "trainer_state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step}))
+        files = {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in CHECKPOINT_FILES}
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "files": files}))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -89,33 +113,139 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, trai
     return final
 
 
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise CheckpointError naming the first missing or damaged file of the checkpoint at `path`."""
+    path = Path(path)
+    missing = [n for n in (*CHECKPOINT_FILES, "meta.json") if not (path / n).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is missing {', '.join(missing)}; expected a step_NNNNNN "
+                              f"directory or a run directory with checkpoints/")
+    try:
+        files = json.loads((path / "meta.json").read_text()).get("files", {})
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        raise CheckpointError(f"checkpoint file {path / 'meta.json'} is damaged (not a JSON object)") from None
+    for name, want in files.items():  # checkpoints written before manifests have none: nothing to check
+        size = (path / name).stat().st_size
+        if size != want["size"]:
+            raise CheckpointError(f"checkpoint file {path / name} is damaged: {size} bytes, "
+                                  f"{want['size']} were written")
+        if _sha256(path / name) != want["sha256"]:
+            raise CheckpointError(f"checkpoint file {path / name} is damaged: its SHA-256 differs from "
+                                  f"the one written at save time")
+
+
 def find_latest(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under `run_dir/checkpoints`, or None. A damaged newer one is
+    skipped with a warning that names it."""
     ckpt_root = Path(run_dir) / "checkpoints"
-    pointer = ckpt_root / "latest"
-    if pointer.is_file():
-        path = ckpt_root / pointer.read_text().strip()
-        if (path / "meta.json").is_file():
-            return path
+    for path in sorted((p for p in ckpt_root.glob("step_*") if p.is_dir()), reverse=True):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning(f"{exc}; falling back to an older checkpoint")
+            continue
+        return path
     return None
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) for `path`: a step_NNNNNN directory, or a run directory
+    (its newest complete checkpoint)."""
     path = Path(path)
-    if path.is_dir() and not (path / "meta.json").is_file():
-        latest = find_latest(path)
-        path = latest if latest is not None else path
-    missing = [n for n in ("model.safetensors", "trainer_state.pt", "meta.json") if not (path / n).is_file()]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is missing {', '.join(missing)}; expected a step_NNNNNN "
-                              f"directory or a run directory with checkpoints/latest")
-    state = load_file(str(path / "model.safetensors"))
+    if (path / "meta.json").is_file() or (path / "model.safetensors").is_file():
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        return run_dir, path
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} not found: expected a step_NNNNNN directory or a run "
+                              f"directory with checkpoints/")
+    latest = find_latest(path)
+    if latest is None:
+        raise CheckpointError(f"no complete checkpoint under {path / 'checkpoints'}")
+    return path, latest
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Load the weights of the checkpoint at `path` (see `resolve_checkpoint`) into `model`, after
+    checking its files; returns the trainer state."""
+    _, path = resolve_checkpoint(path)
+    verify_checkpoint(path)
+    try:
+        state = load_file(str(path / "model.safetensors"))
+    except Exception as exc:  # safetensors raises its own error types for a bad header or body
+        raise CheckpointError(f"checkpoint file {path / 'model.safetensors'} is damaged: {_first_line(exc)}") from None
     result = model.load_state_dict(state, strict=False)
     bad = [k for k in result.missing_keys if not _is_tied(model, k)]
     if bad or result.unexpected_keys:
         raise CheckpointError(f"checkpoint {path} does not fit the model: missing {bad[:5]}, "
                               f"unexpected {result.unexpected_keys[:5]}")
-    return torch.load(path / "trainer_state.pt", weights_only=False)
+    try:
+        return torch.load(path / "trainer_state.pt", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint file {path / 'trainer_state.pt'} is damaged: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _is_tied(model: torch.nn.Module, key: str) -> bool:
     return key.endswith("lm_head.weight") and getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+
+
+# ------------------------------------------------------------------ one run per folder
+
+
+def _plain(data: Any) -> Any:
+    return json.loads(json.dumps(data))  # tuples -> lists, as the YAML snapshot reads back
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_same_run(cfg) -> None:
+    """Refuse to resume the run in `cfg.train.output_dir` when it was started with a config that
+    differs from `cfg` in anything but run length (`RUN_LENGTH_KEYS`): that is another run."""
+    from mmrl.config import RUN_LENGTH_KEYS, RunMismatchError
+
+    run_dir = Path(cfg.train.output_dir)
+    saved = run_dir / RUN_CONFIG
+    if not saved.is_file() or not any((run_dir / "checkpoints").glob("step_*")):
+        return
+    old = _flatten(yaml.safe_load(saved.read_text()) or {})
+    new = _flatten(_plain(cfg.to_dict()))
+    missing = object()
+    diff = sorted(k for k in old.keys() | new.keys()
+                  if k not in RUN_LENGTH_KEYS and old.get(k, missing) != new.get(k, missing))
+    if diff:
+        shown = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:3])
+        more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
+        raise RunMismatchError(f"{run_dir} holds a run started with another config ({shown}{more}); "
+                               f"give this one its own folder (train.output_dir=DIR) or discard that run "
+                               f"(--no-resume)")
+
+
+def write_run_config(cfg) -> None:
+    atomic_write_text(Path(cfg.train.output_dir) / RUN_CONFIG,
+                      yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
+
+
+def discard_run(run_dir: str | Path) -> bool:
+    """Remove a previous run's checkpoints, final weights and results (a fresh start, --no-resume)."""
+    run_dir = Path(run_dir)
+    found = False
+    for name in ("checkpoints", "final"):
+        if (run_dir / name).is_dir():
+            shutil.rmtree(run_dir / name)
+            found = True
+    for name in ("results.json", RUN_CONFIG):
+        if (run_dir / name).is_file():
+            (run_dir / name).unlink()
+            found = True
+    return found

@@ -27,8 +27,11 @@ def _build(cfg):
 def run_training(cfg, resume: bool = True):
     """Build the task and policy of `cfg` and train; returns (task, results, process CPU-s of the
     training call, evaluations included)."""
+    from mmrl.checkpoint import check_same_run
     from mmrl.trainer import Trainer
 
+    if resume:  # before the (possibly long) build: a folder holding another run is refused at once
+        check_same_run(cfg)
     task, policy = _build(cfg)
     trainer = Trainer(cfg, policy, task)
     cpu0 = time.process_time()
@@ -39,8 +42,16 @@ def run_training(cfg, resume: bool = True):
 def cmd_train(args) -> int:
     from mmrl.config import load_config
 
+    from mmrl.trainer import TrainingInterrupted
+
     cfg = load_config(args.config, args.overrides)
-    task, results, cpu_s = run_training(cfg, resume=not args.no_resume)
+    try:
+        task, results, cpu_s = run_training(cfg, resume=not args.no_resume)
+    except TrainingInterrupted as stop:
+        command = " ".join(["mmrl train", args.config, *args.overrides])
+        print(f"mmrl: {stop.signal_name} {stop.where}; checkpoint saved to {stop.checkpoint}. "
+              f"Resume with the same command: {command}", file=sys.stderr)
+        return 130
     from mmrl.evals.report import write_report
 
     report = write_report(cfg.train.output_dir)
@@ -54,19 +65,25 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from mmrl.checkpoint import load_checkpoint
+    from mmrl.checkpoint import load_checkpoint, resolve_checkpoint
     from mmrl.config import load_config
     from mmrl.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    if args.paper_split:
+        cfg.task.params["paper_split"] = args.paper_split
     task, policy = _build(cfg)
     if hasattr(task, "rollout_plans") and hasattr(policy, "plan"):  # planning: the Table-1 report
         from mmrl.evals.planning_eval import report_checkpoint
 
-        report_checkpoint(cfg, task, policy, args.checkpoint, out=args.output)
+        report_checkpoint(cfg, task, policy, args.checkpoint, out=args.output,
+                          splits=args.splits or ["test", "ood", *(["paper"] if args.paper_split else [])])
         return 0
-    load_checkpoint(args.checkpoint, policy.model)
+    run_dir, ckpt = resolve_checkpoint(args.checkpoint)
+    state = load_checkpoint(ckpt, policy.model)
+    cfg.train.output_dir = str(run_dir)  # the evaluation belongs to the checkpoint's run
     trainer = Trainer(cfg, policy, task)
+    trainer.step = state["step"]  # the results are labelled with the checkpoint's step
     result = trainer.evaluate()
     out = Path(args.output or Path(cfg.train.output_dir) / "eval.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -117,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--checkpoint", required=True, help="a step_NNNNNN directory or a run directory")
     p.add_argument("--output", help="where to write the JSON result (planning tasks: the report folder)")
+    p.add_argument("--splits", nargs="+", help="planning tasks: the splits to evaluate (test, ood, paper; "
+                   "default: test ood, and paper when --paper-split is given)")
+    p.add_argument("--paper-split", help="planning tasks: the folder holding the VPRL paper's test metadata "
+                   "(vprl_*_test_meta.json), an evaluation-only input")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("algos", help="list every algorithm name with its citation")
     p.set_defaults(fn=cmd_algos)

@@ -8,6 +8,7 @@ and what is accepted. Overrides use dotted keys: `algo.loss=gspo train.steps=20`
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +20,10 @@ import yaml
 
 class ConfigError(ValueError):
     """A malformed config: the message names the key, the bad value and the valid choices."""
+
+
+class RunMismatchError(ConfigError):
+    """A run folder already holds a run of another config."""
 
 
 @dataclass
@@ -134,7 +139,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     bf16: bool = True  # autocast on GPU only
     threads: int = 0  # torch.set_num_threads; 0 leaves the default
-    output_dir: str = "runs/default"
+    # "" (the default): runs/<config file name>, plus the overrides that change the run (not those in
+    # RUN_LENGTH_KEYS), e.g. runs/digit_sort_grpo+algo.loss=gspo; two different runs never share one
+    output_dir: str = ""
     save_every: int = 0  # 0: only at the end
     eval_every: int = 10
     eval_size: int = 64
@@ -266,8 +273,27 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def config_from_dict(data: dict) -> RunConfig:
     cfg = _build(RunConfig, data)
+    cfg.train.output_dir = cfg.train.output_dir or default_output_dir(None, [])
     validate(cfg)
     return cfg
+
+
+# Keys a run may change when it resumes: its length and how it reports. Any other difference from
+# the config a run folder was started with is another run (resume refuses it).
+RUN_LENGTH_KEYS = frozenset({
+    "train.steps", "train.output_dir", "train.save_every", "train.eval_every", "train.log_every",
+    "train.progress", "train.tensorboard", "train.wandb", "train.wandb_project", "train.threads",
+})
+
+
+def default_output_dir(path: str | Path | None, overrides: list[str]) -> str:
+    """runs/<config stem>[+key=value...]: the overrides that change the run, sorted, in the name."""
+    stem = Path(path).stem if path is not None else "default"
+    changes = sorted(o.strip() for o in overrides if o.split("=", 1)[0].strip() not in RUN_LENGTH_KEYS)
+    name = "+".join([stem, *changes]).replace("/", "_").replace(" ", "")
+    if len(name) > 120:  # keep the folder name legal and readable; the hash keeps runs apart
+        name = f"{name[:100]}+{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+    return str(Path("runs") / name)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -285,6 +311,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     data = _merge(data, parse_overrides(overrides or []))
+    train = data.get("train")
+    if isinstance(train, dict) and not train.get("output_dir"):
+        data["train"] = {**train, "output_dir": default_output_dir(path, overrides or [])}
+    elif train is None:
+        data["train"] = {"output_dir": default_output_dir(path, overrides or [])}
     return config_from_dict(data)
 
 
@@ -319,6 +350,10 @@ def validate(cfg: RunConfig) -> None:
     _check(s.temperature > 0, f"sampling.temperature must be > 0, got {s.temperature}")
     _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
     _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
+    _check(cfg.sft.steps >= 0, f"sft.steps must be >= 0 (0 = no SFT), got {cfg.sft.steps}")
+    _check(cfg.sft.lr > 0, f"sft.lr must be > 0, got {cfg.sft.lr}")
+    _check(cfg.sft.batch_size >= 1, f"sft.batch_size must be >= 1, got {cfg.sft.batch_size}")
+    _check(cfg.sft.examples >= 1, f"sft.examples must be >= 1, got {cfg.sft.examples}")
     _check(cfg.sft.warmup_steps >= 0, f"sft.warmup_steps must be >= 0, got {cfg.sft.warmup_steps}")
     _check(cfg.sft.max_cpu_s >= 0, f"sft.max_cpu_s must be >= 0 (0 = no limit), got {cfg.sft.max_cpu_s}")
     _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")

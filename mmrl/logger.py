@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 from mmrl.checkpoint import atomic_write_text
 
-log = logging.getLogger("mmrl")
+
+def say(message: str) -> None:
+    """One line to stderr, prefixed `mmrl: `; tqdm.write keeps an open progress bar intact below it."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"mmrl: {message}", file=sys.stderr)
 
 
 class MetricsLogger:
@@ -20,6 +25,7 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         self._tb = self._wandb = None
+        self._repeats: dict[str, int] = {}  # warning kind -> times seen after the first
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -41,10 +47,17 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
 
-    def warn(self, message: str) -> None:
-        log.warning(message)
+    def warn(self, message: str, kind: str | None = None) -> None:
+        """Every warning goes to metrics.jsonl; on the console, a warning of a recurring `kind` is
+        shown the first time only and counted, and `close` says how often it came back."""
         with self.path.open("a") as f:
             f.write(json.dumps({"warning": message}) + "\n")
+        if kind is not None:
+            self._repeats[kind] = self._repeats.get(kind, -1) + 1
+            if self._repeats[kind] > 0:
+                return
+            message += " (shown once; metrics.jsonl has every occurrence)"
+        say(f"warning: {message}")
 
     def reset(self) -> None:
         """A fresh run starts a fresh log."""
@@ -62,6 +75,10 @@ class MetricsLogger:
         atomic_write_text(self.path, "".join(x + "\n" for x in kept))
 
     def close(self) -> None:
+        for kind, more in self._repeats.items():
+            if more:
+                say(f"warning: {kind}: {more} more time(s) (see metrics.jsonl)")
+        self._repeats.clear()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -18,9 +21,10 @@ import numpy as np
 import torch
 
 from mmrl import algos
-from mmrl.checkpoint import atomic_write_text, find_latest, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from mmrl.checkpoint import (atomic_write_text, check_same_run, discard_run, find_latest, load_checkpoint, rng_state,
+                             save_checkpoint, set_rng_state, write_run_config)
 from mmrl.config import RunConfig
-from mmrl.logger import MetricsLogger
+from mmrl.logger import MetricsLogger, say
 from mmrl.prompt_replay import PromptReplay
 from mmrl.rewards import get_reward
 from mmrl.rollout import Rollout
@@ -54,6 +58,42 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
 
+class TrainingInterrupted(Exception):
+    """SIGINT / SIGTERM stopped training at a step boundary after saving `checkpoint`."""
+
+    def __init__(self, signal_name: str, where: str, checkpoint: Path):
+        super().__init__(f"{signal_name} {where}: checkpoint {checkpoint}")
+        self.signal_name, self.where, self.checkpoint = signal_name, where, checkpoint
+
+
+class StopRequest:
+    """While entered (main thread only), SIGINT and SIGTERM ask the training loop to stop at its next
+    step boundary, where it saves a checkpoint; a second SIGINT stops at once, without one."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        self.signal_name = None
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        say(f"{self.signal_name}: stopping at the end of this step with a checkpoint "
+            "(Ctrl-C again stops at once, without one)")
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, policy, task, log: MetricsLogger | None = None):
         self.cfg = cfg
@@ -79,6 +119,8 @@ class Trainer:
         self.step = 0
         self.group_offset = 0
         self.sft_done = cfg.sft.steps == 0
+        self.sft_progress: dict[str, Any] | None = None  # the SFT loop's own state while it runs
+        self.stop = StopRequest()
         self.eval_history: list[dict[str, Any]] = []
         self.failed_contexts: list[Any] = []  # see collect
         self.replay = PromptReplay(cfg.algo.prompt_replay_size) if cfg.algo.prompt_replay > 0 else None
@@ -95,6 +137,7 @@ class Trainer:
             "step": self.step,
             "group_offset": self.group_offset,
             "sft_done": self.sft_done,
+            "sft_progress": self.sft_progress,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state({"sample": self.sample_gen, "shuffle": self.shuffle_gen}),
@@ -106,12 +149,14 @@ class Trainer:
     def save(self) -> Path:
         return save_checkpoint(self.out_dir, self.step, self.policy.model, self.state_dict())
 
-    def resume(self, path: str | Path | None = None) -> bool:
+    def resume(self, path: str | Path | None = None) -> Path | None:
+        """Load the checkpoint at `path` (default: the newest whole one of this run); returns its path."""
         path = path or find_latest(self.out_dir)
         if path is None:
-            return False
+            return None
         state = load_checkpoint(path, self.policy.model)
         self.step, self.group_offset, self.sft_done = state["step"], state["group_offset"], state["sft_done"]
+        self.sft_progress = state.get("sft_progress")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], {"sample": self.sample_gen, "shuffle": self.shuffle_gen})
@@ -120,7 +165,11 @@ class Trainer:
         if self.replay is not None and state.get("replay"):
             self.replay.load_state_dict(state["replay"])
         self.log.truncate_after(self.step)
-        return True
+        return Path(path)
+
+    def _stop_here(self, where: str) -> None:
+        """Save a checkpoint and end training (after a SIGINT / SIGTERM, at a step boundary)."""
+        raise TrainingInterrupted(self.stop.signal_name, where, self.save())
 
     # ------------------------------------------------------------------ SFT warm start
 
@@ -132,12 +181,23 @@ class Trainer:
         opt = make_adamw(self.params, lr=s.lr)
         floor = self.cfg.train.min_lr_ratio if s.lr_schedule == "cosine" else 1.0  # a floor of 1: constant after warmup
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(s.warmup_steps, s.steps, floor))
+        start, cpu_used = 0, 0.0
+        if self.sft_progress is not None:  # resumed in the middle of SFT
+            p = self.sft_progress
+            start, cpu_used = p["step"], p["cpu_s"]
+            opt.load_state_dict(p["optimizer"])
+            schedule.load_state_dict(p["schedule"])
+            rng.bit_generator.state = p["rng"]
         self.policy.model.train()
-        bar = _progress(range(s.steps), "sft", self.cfg.train.progress)
-        cpu_start, done = time.process_time(), 0
+        bar = _progress(range(start, s.steps), "sft", self.cfg.train.progress, total=s.steps, initial=start)
+        cpu_start, done = time.process_time() - cpu_used, start
         for i in bar:
             if s.max_cpu_s > 0 and time.process_time() - cpu_start >= s.max_cpu_s:
                 break
+            if self.stop.signal_name is not None:
+                self.sft_progress = {"step": i, "cpu_s": time.process_time() - cpu_start, "rng": rng.bit_generator.state,
+                                     "optimizer": opt.state_dict(), "schedule": schedule.state_dict()}
+                self._stop_here(f"at SFT step {i} of {s.steps}")
             with self.autocast:
                 loss = self.policy.sft_loss(self.task.sft_batch(s.batch_size, rng))
             opt.zero_grad(set_to_none=True)
@@ -152,7 +212,7 @@ class Trainer:
         # how much SFT ran: with sft.max_cpu_s, possibly fewer than sft.steps
         self.log.log({"sft/steps_done": done, "sft/cpu_s": time.process_time() - cpu_start}, step=done,
                      prefix_step="sft_step")
-        self.sft_done = True
+        self.sft_done, self.sft_progress = True, None
 
     # ------------------------------------------------------------------ rollouts and rewards
 
@@ -231,7 +291,8 @@ class Trainer:
             stats["sampling/kept_groups"] = min(kept_groups, P)
             if kept_groups < P:
                 stats["sampling/short_groups"] = P - kept_groups
-                self.log.warn(f"step {self.step}: only {kept_groups} of {P} groups kept after {tries} tries")
+                self.log.warn(f"step {self.step}: only {kept_groups} of {P} groups kept after {tries} tries",
+                              kind="fewer groups than train.prompts_per_step kept after filtering")
             if kept_groups > P:  # trim to exactly P groups (the first ones, in sampling order)
                 batch = batch.select(torch.arange(P * G, device=self.device))
         return batch, dict(stats)
@@ -353,7 +414,8 @@ class Trainer:
                 stats["train/guide_loss"] = self.guidance_backward(self.failed_contexts)
                 stats["train/grad_norm"] = self._optimizer_step()
                 return stats
-            self.log.warn(f"step {self.step}: no group left after filtering; skipping the update")
+            self.log.warn(f"step {self.step}: no group left after filtering; skipping the update",
+                          kind="no group left after filtering (update skipped)")
             return stats
         t0 = time.perf_counter()
         metrics = self.update(rollout, self.failed_contexts)
@@ -396,16 +458,35 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self, resume: bool = True) -> dict[str, Any]:
+        """Run SFT (if configured) and RL to `train.steps`. With `resume`, continue this run's newest
+        whole checkpoint, after checking that the folder holds a run of the same config; without it,
+        discard whatever run the folder holds. SIGINT / SIGTERM end it with `TrainingInterrupted`
+        after saving a checkpoint at the next step boundary."""
         t = self.cfg.train
         if t.threads > 0:
             torch.set_num_threads(t.threads)
-        resumed = resume and self.resume()
-        if not resumed:
+        if resume:
+            check_same_run(self.cfg)
+        elif discard_run(self.out_dir):
+            say(f"--no-resume: discarded the previous run in {self.out_dir}")
+        resumed_from = self.resume() if resume else None
+        write_run_config(self.cfg)
+        if resumed_from is not None:
+            at = (f"SFT step {self.sft_progress['step']} of {self.cfg.sft.steps}" if self.sft_progress
+                  else f"step {self.step} of {t.steps}")
+            say(f"resuming from {at} ({resumed_from})")
+        else:
             self.log.reset()
+        with self.stop:
+            return self._train_loop()
+
+    def _train_loop(self) -> dict[str, Any]:
+        t = self.cfg.train
+        if not self.sft_done:
             self.sft()
-            if self.step == 0:
-                self.eval_history.append(self.evaluate())
-                self.log.log(self.eval_history[-1], step=0)
+        if self.step == 0 and not self.eval_history:
+            self.eval_history.append(self.evaluate())
+            self.log.log(self.eval_history[-1], step=0)
         bar = _progress(range(self.step, t.steps), "grpo", t.progress, total=t.steps, initial=self.step)
         for _ in bar:
             metrics = self.train_step()
@@ -422,6 +503,8 @@ class Trainer:
                 bar.set_postfix(post)
             if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                 self.save()
+            if self.stop.signal_name is not None and self.step < t.steps:
+                self._stop_here(f"at step {self.step} of {t.steps}")
         if not self.eval_history or self.eval_history[-1]["step"] != self.step:
             self.eval_history.append(self.evaluate())
         ckpt = self.save()

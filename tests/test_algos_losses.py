@@ -573,6 +573,19 @@ def test_kl_penalty_values():
         kl_penalty(logp, ref, "k4")
 
 
+def test_k3_stays_finite_for_large_log_ratios():
+    """float32 exp overflows above ~88; beyond the clamp k3 continues exp linearly: finite, still
+    growing with the log-ratio, and its gradient still pulls logp towards the reference."""
+    logp = T([[-200.0, -100.0, -1.0]]).requires_grad_(True)
+    ref = T([[-1.0, -1.0, -1.5]])
+    kl = kl_penalty(logp, ref, "k3")
+    assert torch.isfinite(kl).all()
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all() and (logp.grad[0, :2] < 0).all()
+    close(kl[0, 2], math.exp(-0.5) + 0.5 - 1)
+    assert kl[0, 0] > kl[0, 1] > 1e8
+
+
 def test_kl_penalty_mask_keeps_padding_out_of_gradients():
     logp = T([[-1.0, float("-inf")]]).requires_grad_(True)
     ref = T([[-1.5, float("-inf")]])

@@ -38,6 +38,8 @@ def test_defaults_and_overrides(tmp_path):
     (["algo.guide_below=0.5", "algo.guide_coef=0"], "algo.guide_coef must be > 0, got 0"),
     (["model.source=pretrained", "model.path=/does/not/exist"], "checkpoint directory not found"),
     (["trainsteps"], "not of the form key=value"),
+    (["sft.lr=-1e-3"], "sft.lr must be > 0, got -0.001"),
+    (["sft.batch_size=0"], "sft.batch_size must be >= 1"),
 ])
 def test_bad_values_name_the_key_and_choices(override, fragment):
     with pytest.raises(ConfigError) as err:

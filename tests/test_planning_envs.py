@@ -509,3 +509,21 @@ def test_bench_envs_smoke() -> None:
             "parser_fps_loop", "parser_speedup"}
     assert set(result) == keys
     assert all(result[k] > 0 for k in keys)
+
+
+def test_sparse_reward_is_paid_once_like_gymnasium() -> None:
+    """Stepping again after reaching the goal pays 0, as gymnasium's FrozenLake does."""
+    gym = pytest.importorskip("gymnasium")
+    from mmrl.envs.planning import PlanningEnv
+
+    for lay in generate_layouts("frozenlake", 4, 6, seed=3, hole_prob=0.25):
+        env = PlanningEnv("frozenlake", 4, layout=lay, reward_mode="sparse")
+        ref = gym.make("FrozenLake-v1", desc=frozenlake.to_gym_desc(lay), is_slippery=False)
+        env.reset(seed=0)
+        ref.reset(seed=0)
+        plan = shortest_path(lay)
+        actions = [next(a for a in range(4) if np.array_equal(step_state(lay, p, a)[0], n))
+                   for p, n in zip(plan[:-1], plan[1:])]
+        ours = [env.step(a)[1] for a in actions + [0, 1]]  # two more steps from the goal
+        theirs = [ref.unwrapped.step(a)[1] for a in actions + [0, 1]]
+        assert ours == theirs == [0.0] * (len(actions) - 1) + [1.0, 0.0, 0.0]

@@ -175,6 +175,14 @@ def test_metrics_on_hand_made_plans() -> None:
     assert u.progress.tolist() == [0.0, 0.0] and u.has_invalid.tolist() == [True, False]
 
 
+def test_start_only_plans_score_zero_without_error() -> None:
+    """Every plan of a call with zero moves (a start-only plan scored alone) is a failure, not a crash."""
+    o = plan_outcomes([[(0, 0)], [(0, 0)]], [OPEN] * 2)
+    assert o.success.tolist() == [False, False] and o.steps_to_goal.tolist() == [-1, -1]
+    assert o.progress.tolist() == [0.0, 0.0] and o.exact_match.tolist() == [False, False]
+    assert evaluate_plans([[(0, 0)]], [OPEN])["exact_match"] == 0.0
+
+
 def test_metrics_minibehavior_and_levels() -> None:
     plan = shortest_path(MINI)
     detour = np.concatenate([plan[:1], [state_array((2, 5, 0), MINI)], [state_array((3, 5, 0), MINI)], plan[1:]])

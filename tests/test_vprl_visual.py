@@ -405,28 +405,60 @@ def test_planning_eval_report(built, tmp_path):
     assert table[3] == "| vpft | — | — | 50.0 | 75.0 | — | — |"
 
 
-def test_missing_paper_split_folder_warns_and_errors_only_when_used(tmp_path):
-    """A machine without the paper's metadata still trains; evaluating on that split says why not."""
+def test_em_pr_plot_is_labelled_and_no_line_hides_another():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from mmrl.evals.planning_eval import em_pr_figure
+
+    rows = [{"step": s, "eval/exact_match": 0.3, "eval/progress_rate": 0.4, "eval/success_rate": 0.3} for s in (0, 50)]
+    ax = em_pr_figure(rows).axes[0]
+    assert ax.get_xlabel() and ax.get_ylabel()
+    lines = ax.get_lines()
+    assert [line.get_label() for line in lines] == ["exact match (EM)", "progress rate (PR)", "success"]
+    # EM and success coincide here: they must still differ in marker and line style
+    assert len({(line.get_marker(), line.get_linestyle()) for line in lines}) == 3
+
+
+def test_plan_gifs_label_their_panels(built, tmp_path):
+    import imageio.v2 as imageio
+
+    from mmrl.evals.planning_eval import plan_gif
+
+    _, task, policy = built
+    contexts, plans = task.rollout_plans(policy, 1)
+    frames = imageio.mimread(plan_gif(contexts[0], plans[0], tmp_path / "p.gif", cell_size=task.cell_size))
+    strip = np.asarray(frames[0])[:14, :, :3]
+    assert (strip < 100).any() and (strip > 200).mean() > 0.7  # dark text on a white strip
+    assert not np.array_equal(np.asarray(frames[0])[:14], np.asarray(frames[1])[:14])  # the step counter moves
+
+
+def test_missing_paper_split_folder_errors_only_when_used(tmp_path):
+    """A machine without the paper's metadata trains on the same split; evaluating on it says why not."""
     missing = tmp_path / "no_vprl_here"
-    with pytest.warns(UserWarning, match="not a folder"):
-        task = make_task("planning", seed=0, env="frozenlake", sizes=[3], n_train=4, n_test=2,
-                         paper_split=str(missing))
+    task = make_task("planning", seed=0, env="frozenlake", sizes=[3], n_train=4, n_test=2, paper_split=str(missing))
+    plain = make_task("planning", seed=0, env="frozenlake", sizes=[3], n_train=4, n_test=2)
+    assert [lay.key() for _, lay in task.train] == [lay.key() for _, lay in plain.train]
     with pytest.raises(FileNotFoundError, match="task.params.paper_split"):
         task.paper_split()
 
 
 def test_paper_split_evaluation(built):
-    """The paper's own FrozenLake test split (from ../shared/vprl), when it is there."""
+    """The paper's own FrozenLake test split (from ../shared/vprl), when it is there: an evaluation
+    input only (the training split is the same without it) whose overlap with training is reported."""
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "shared" / "vprl"
     if not (path / "vprl_frozenlake_test_meta.json").is_file():
         pytest.skip(f"paper test metadata not found in {path}")
     _, _, policy = built
-    paper = make_task("planning", seed=0, env="frozenlake", sizes=[3, 4], n_train=20, n_test=4,
-                      paper_split=str(path))
-    train_keys = {lay.key() for _, lay in paper.train}
-    assert not train_keys & {lay.key() for lay in paper.paper_split().layouts}
+    kwargs = dict(seed=0, env="frozenlake", sizes=[3, 4], n_train=200, n_test=4)
+    paper = make_task("planning", paper_split=str(path), **kwargs)
+    plain = make_task("planning", **kwargs)
+    train_keys = [lay.key() for _, lay in paper.train]
+    assert train_keys == [lay.key() for _, lay in plain.train]
+    in_train = sum(lay.key() in set(train_keys) for lay in paper.paper_split().layouts)
+    assert paper.paper_overlap() == in_train > 0  # 3x3 layouts are few: 200 draws meet the paper's
     m = paper.evaluate(policy, 8, split="paper")
     assert m["n"] == 8 and 0 <= m["progress_rate"] <= 1
 
@@ -488,7 +520,7 @@ def test_maze_and_minibehavior_configs_run_two_steps(name, tmp_path):
     cfg = load_config(path, [
         "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=1",
         "model.params.vq_steps=30", "model.params.vq_layouts=4", "model.params.codebook_size=32",
-        "task.params.n_train=8", "task.params.n_test=2", "task.params.ood_sizes=[]", "task.params.paper_split=null",
+        "task.params.n_train=8", "task.params.n_test=2", "task.params.ood_sizes=[]",
         "sft.steps=2", "sft.batch_size=4", "train.steps=2", "train.prompts_per_step=2", "sampling.group_size=2",
         "train.eval_every=0", "train.eval_size=2", "train.progress=false", f"train.output_dir={tmp_path / 'run'}"])
     task = make_task("planning", seed=0, **cfg.task.params)

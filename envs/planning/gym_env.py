@@ -99,7 +99,8 @@ class PlanningEnv(gym.Env):
         self.state, valid, terminated = step_state(self.layout, prev, int(action))
         self._steps += 1
         if self.reward_mode == "sparse":
-            reward = float(terminated and self.layout.is_goal(self.state))
+            # paid once, on the step that enters the goal (gymnasium's FrozenLake pays 0 after it)
+            reward = float(terminated and self.layout.is_goal(self.state) and not self.layout.is_goal(prev))
             kind = None
         else:
             from mmrl.rewards.planning import classify_steps

@@ -30,9 +30,7 @@ interleaved across sizes. `evaluate(policy, n)` runs closed-loop plans through t
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -166,18 +164,13 @@ class PlanningTask:
         self.rl_states = rl_states
         self.plan_slack = int(plan_slack)
         self.paper_split_path = paper_split
+        # The paper's test split is an evaluation input only: the training split never depends on a
+        # file outside the repository (`paper_overlap` says how many paper layouts it contains).
         gen = dict(generator_params or {})
-        exclude: list[str] = []
-        if paper_split and self.env in PAPER_FILES:  # never train on a paper test instance
-            if Path(paper_split).is_dir():
-                exclude = [lay.key() for lay in self.paper_split().layouts]
-            else:  # nothing to exclude, and nothing to evaluate on; `--splits paper` will say so
-                warnings.warn(f"task.params.paper_split: {paper_split} is not a folder; training without "
-                              "excluding the paper's test layouts", stacklevel=2)
         self.train: list[tuple[str, Layout]] = []
         tests: list[list[tuple[str, Layout]]] = []
         for size in sizes:
-            sp = make_splits(self.env, size, n_train, n_test, self.seed, exclude=exclude, **gen)
+            sp = make_splits(self.env, size, n_train, n_test, self.seed, **gen)
             self.train += [(f"train/{size}/{i}", lay) for i, lay in enumerate(sp.train)]
             tests.append([(f"test/{size}/{i}", lay) for i, lay in enumerate(sp.test)])
         # interleaved by size, so the first n held-out layouts cover every size evenly
@@ -320,6 +313,11 @@ class PlanningTask:
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"task.params.paper_split: {exc} (point it at the folder holding "
                                     "vprl_*_test_meta.json, or set it to null)") from None
+
+    def paper_overlap(self) -> int:
+        """How many of the paper's test layouts are also in this task's training split."""
+        train_keys = {lay.key() for _, lay in self.train}
+        return sum(lay.key() in train_keys for lay in self.paper_split().layouts)
 
     def ood_layouts(self) -> list[tuple[str, Layout]]:
         if self._ood is None:

@@ -6,9 +6,12 @@ k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1 (unbiased and always >= 0), abs = |d|.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
+from .losses import LOG_RATIO_CLAMP
 from .registry import AlgorithmError, as_bool_mask, get_kl_spec, register_kl
 
 __all__ = ["kl_penalty", "entropy_from_logits"]
@@ -28,8 +31,12 @@ def _k2(d: Tensor) -> Tensor:
 
 @register_kl("k3", citation="2402.03300 (Schulman 2020 estimator)")
 def _k3(d: Tensor) -> Tensor:
-    """k3 = exp(d) - d - 1, d = ref_logp - logp (unbiased, >= 0; GRPO's choice)."""
-    return torch.expm1(d) - d  # expm1 keeps precision for small d
+    """k3 = exp(d) - d - 1, d = ref_logp - logp (unbiased, >= 0; GRPO's choice).
+
+    float32 exp overflows above d ~ 88: beyond LOG_RATIO_CLAMP exp continues as its tangent there,
+    so k3 stays finite and still grows with d (its gradient keeps pulling logp towards the reference)."""
+    over = (d - LOG_RATIO_CLAMP).clamp(min=0)
+    return torch.expm1(d.clamp(max=LOG_RATIO_CLAMP)) + math.exp(LOG_RATIO_CLAMP) * over - d  # expm1: precision for small d
 
 
 @register_kl("abs", citation="Schulman 2020, http://joschu.net/blog/kl-approx.html")
