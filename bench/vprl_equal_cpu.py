@@ -1,4 +1,4 @@
-"""Issue 3's comparison: the VPRL main job (stage-1 SFT + GRPO) against VPFT (SFT on optimal moves
+"""The VPRL paper's comparison: the VPRL main job (stage-1 SFT + GRPO) against VPFT (SFT on optimal moves
 alone, cosine learning rate) given the same training CPU-seconds, over several seeds.
 
     python bench/vprl_equal_cpu.py --seeds 0 1 2 3 4      # ~9 CPU-min per seed, one thread each

@@ -9,7 +9,7 @@ upright (robosuite renders them upside down) and state = eef position (3), eef a
 gripper finger positions (2), the layout LIBERO policies (OpenVLA, SmolVLA, pi0) are trained on.
 Action: 7-D OSC_POSE delta (3 pos, 3 rot, gripper -1 open / +1 close), as in the LIBERO datasets.
 
-Offline use (see FIELD_NOTES): importing `libero.libero` without a config asks questions on stdin,
+Offline use: importing `libero.libero` without a config asks questions on stdin,
 and asset lookups fall back to a hub download. `configure_libero()` writes a config into a temp dir
 and points `LIBERO_CONFIG_PATH` at it before the first import, and pins the asset directory
 (`MMRL_LIBERO_ASSETS`, else `<repo>/../shared/libero/assets`). Nothing is ever downloaded.

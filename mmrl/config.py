@@ -80,7 +80,7 @@ class AlgoConfig:
     # < 1: the policy gradient only on this share of tokens, the highest-entropy ones of each
     # forward pass (the mini-batch, or each micro-batch with train.micro_batch_size)
     entropy_top_frac: float = 1.0
-    # Shaping and sampling (ALGORITHMS.md, "Reward shaping and sampling").
+    # Shaping and sampling (docs/algorithms.md, "Reward shaping and sampling").
     dynamic_sampling: bool = False
     max_sampling_tries: int = 4
     overlong_cache_len: int = 0  # > 0 turns on DAPO overlong shaping with L_max = max_new_tokens

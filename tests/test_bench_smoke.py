@@ -72,7 +72,7 @@ def test_gpu_session_smoke(tmp_path):
 
 
 def test_vprl_equal_cpu_bench_smoke(tmp_path):
-    """Issue 3's comparison end to end on tiny budgets: VPFT gets the GRPO run's CPU-s as SFT steps
+    """The VPRL paper's comparison end to end on tiny budgets: VPFT gets the GRPO run's CPU-s as SFT steps
     at the rate its stage 1 measured, so it trains for more steps than stage 1 alone."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vprl_equal_cpu.py"), "--smoke", "--seeds", "0",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -182,3 +182,21 @@ def test_a_recurring_warning_is_shown_once_and_counted(tmp_path, capsys):
     assert len(err) == 3, err
     assert "step 0" in err[0] and "something else" in err[1] and "no group left: 4 more time(s)" in err[2]
     assert (tmp_path / "metrics.jsonl").read_text().count('"warning"') == 6
+
+
+# ----------------------------------------------------------------------------- seed tables
+
+
+def test_seed_summary_reports_mean_sd_and_range():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("seeds", REPO / "scripts" / "seeds.py")
+    seeds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seeds)
+    results = {s: {"eval_before": {"eval/em": b}, "eval_after": {"eval/em": a}}
+               for s, b, a in ((0, 0.5, 0.7), (1, 0.6, 0.9), (2, 0.7, 0.8))}
+    table = seeds.summarize(results, ["eval/em"])
+    after = table["eval/em"]["after"]
+    assert after["mean"] == pytest.approx(0.8) and after["sd"] == pytest.approx(0.1)
+    assert (after["min"], after["max"]) == (0.7, 0.9) and after["by_seed"] == {0: 0.7, 1: 0.9, 2: 0.8}
+    assert "| eval/em | after | 80.0 +- 10.0 | 70.0-90.0 | 0: 70.0, 1: 90.0, 2: 80.0 |" in seeds.markdown(table, 100.0)

@@ -1,4 +1,4 @@
-"""Advantage estimators (ALGORITHMS.md, "Advantage estimators").
+"""Advantage estimators (docs/algorithms.md, "Advantage estimators").
 
 All group statistics are segment reductions (`scatter_add_` / `scatter_reduce_`) over a slot
 label per sample: the ids themselves when they are small non-negative integers, else a verified
@@ -24,8 +24,8 @@ from .registry import (
 
 __all__ = ["Groups", "make_groups", "groups_from_slots", "compute_advantages", "gae", "masked_whiten"]
 
-GROUP_EPS = 1e-6  # ALGORITHMS.md: std_g + 1e-6
-WHITEN_EPS = 1e-8  # ALGORITHMS.md: reinforce_pp / gae whitening
+GROUP_EPS = 1e-6  # docs/algorithms.md: std_g + 1e-6
+WHITEN_EPS = 1e-8  # docs/algorithms.md: reinforce_pp / gae whitening
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""KL-to-reference estimators and the entropy helper (ALGORITHMS.md, "Terms added to the loss").
+"""KL-to-reference estimators and the entropy helper (docs/algorithms.md, "Terms added to the loss").
 
 With d = ref_logp - logp (samples from the current policy):
 k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1 (unbiased and always >= 0), abs = |d|.

@@ -1,4 +1,4 @@
-"""Policy losses and loss aggregation (ALGORITHMS.md, "Policy losses").
+"""Policy losses and loss aggregation (docs/algorithms.md, "Policy losses").
 
 Every loss is a small pure function returning a per-token term L[i,t] (a sequence-level term is
 broadcast to its tokens); `policy_loss` validates inputs, calls it and aggregates with

@@ -1,5 +1,5 @@
 """Offline preference losses and the on-policy distillation advantage
-(ALGORITHMS.md, "Offline and distillation losses").
+(docs/algorithms.md, "Offline and distillation losses").
 
 Inputs are *sequence* log-probs [B] (sum of token log-probs over the response), computed with
 the same plumbing as the RL losses. Each loss returns `(loss, metrics)` like `policy_loss`.

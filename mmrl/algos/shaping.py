@@ -1,4 +1,4 @@
-"""Reward shaping and sampling filters (ALGORITHMS.md, "Reward shaping and sampling").
+"""Reward shaping and sampling filters (docs/algorithms.md, "Reward shaping and sampling").
 
 Pure, vectorised functions. The loops that use them (DAPO dynamic sampling: resample until the
 batch holds enough groups with `nonconstant_groups`; GFPO's oversampling) live in the trainer.

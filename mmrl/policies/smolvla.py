@@ -17,7 +17,8 @@ executed per `step_chunk`. Observations reach the model through lerobot's own pr
 (unnormalise), so a pretrained SmolVLA and its dataset statistics work unchanged.
 
 Offline tiny models (tests, CPU demo): `build_tiny_smolvla` writes a tiny SmolVLM folder (config,
-processor config, tokenizer) and builds SmolVLA on it with `load_vlm_weights=False` (FIELD_NOTES).
+processor config, tokenizer) and builds SmolVLA on it with `load_vlm_weights=False`; given a local
+folder, lerobot makes no network call.
 """
 
 from __future__ import annotations
