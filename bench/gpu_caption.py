@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from mmrl.config import load_config
     from mmrl.policies import build_policy
-    from mmrl.rewards.caption_qa import LAST_STATS
     from mmrl.tiny import build_tiny_qwen2
     from mmrl.trainer import Trainer, resolve_device
 
@@ -104,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": dtype, "prompts": a.prompts, "group": a.group, "steps": a.steps,
         "captions_per_s": n_caps / mean("time/sample"), "judged_questions_per_s": n_caps * questions / mean("time/reward"),
         "step_s": mean("step_s"), "update_s": mean("time/update"), "reward_mean": mean("reward/total"),
-        "judge_failed_share": LAST_STATS.get("failed", 0) / max(1, LAST_STATS.get("judged", 1)),
+        "judge_failed_share": (sum(r["reward/caption_qa/judge_failed"] for r in rows)
+                               / max(1.0, sum(r["reward/caption_qa/judged"] for r in rows))),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
     }
     print(f"captioner {result['captioner_params'] / 1e6:.0f}M, judge {result['judge_params'] / 1e6:.0f}M params: "

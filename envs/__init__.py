@@ -6,9 +6,24 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
-TASKS: dict[str, type] = {}
+TASKS: dict[str, type] = {}  # registered (imported) task classes
+# Shipped tasks load on first use, so a config imports only what it needs: name -> (the module
+# that registers it, the extra whose packages it imports).
+LAZY_TASKS: dict[str, tuple[str, str]] = {
+    "arithmetic": ("mmrl.envs.arithmetic", "core"),
+    "digit_sort": ("mmrl.envs.arithmetic", "core"),
+    "planning": ("mmrl.envs.planning.task", "vision"),
+    "caption": ("mmrl.envs.captioning.task", "vision"),
+    "tabletop": ("mmrl.envs.tabletop.source", "robot"),
+    "libero": ("mmrl.envs.tabletop.source", "libero"),
+}
+
+
+class MissingExtraError(ImportError):
+    """A task (or other component) needs an optional dependency that is not installed."""
 
 
 def register_task(name: str) -> Callable[[type], type]:
@@ -21,16 +36,24 @@ def register_task(name: str) -> Callable[[type], type]:
     return wrap
 
 
-def make_task(name: str, seed: int, **params):
+def task_names() -> list[str]:
+    return sorted(set(TASKS) | set(LAZY_TASKS))
+
+
+def task_class(name: str) -> type:
+    """The class of task `name`, importing its module on first use; a missing optional dependency
+    is named with the extra that installs it."""
+    if name not in TASKS and name in LAZY_TASKS:
+        module, extra = LAZY_TASKS[name]
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise MissingExtraError(f"task {name!r} needs the {exc.name or 'a missing'} package: "
+                              f"pip install 'mmrl[{extra}]'") from exc
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid: {', '.join(sorted(TASKS))}")
-    return TASKS[name](seed=seed, **params)
+        raise ValueError(f"unknown task {name!r}; valid: {', '.join(task_names())}")
+    return TASKS[name]
 
 
-from mmrl.envs import arithmetic  # noqa: E402,F401  (registers its task)
-from mmrl.envs.planning import task as _planning_task  # noqa: E402,F401  (registers "planning")
-from mmrl.envs.captioning import task as _caption_task  # noqa: E402,F401  (registers "caption")
-try:  # the robot tasks need mujoco (mmrl[robot]); without it "tabletop"/"libero" are just not registered
-    from mmrl.envs.tabletop import source as _robot_tasks  # noqa: E402,F401  (registers "tabletop", "libero")
-except ImportError:
-    pass
+def make_task(name: str, seed: int, **params):
+    return task_class(name)(seed=seed, **params)

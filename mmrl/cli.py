@@ -152,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from mmrl.checkpoint import CheckpointError
     from mmrl.config import ConfigError
+    from mmrl.envs import MissingExtraError
 
     try:
         return run()
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, CheckpointError, MissingExtraError, FileNotFoundError, ValueError) as exc:
         print(f"mmrl: error: {exc}", file=sys.stderr)
         return 2
 

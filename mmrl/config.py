@@ -296,20 +296,32 @@ def default_output_dir(path: str | Path | None, overrides: list[str]) -> str:
     return str(Path("runs") / name)
 
 
+def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """The YAML mapping of `path`; `base: PARENT.yaml` (relative to the file) names a config whose
+    keys this one overrides, section by section (lists, e.g. `rewards`, are replaced whole)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in _seen:
+        raise ConfigError(f"{path}: 'base' chain loops back to itself ({' -> '.join(map(str, _seen))})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be the path of a parent config, got {base!r}")
+    return _merge(read_config_file(path.parent / base, (*_seen, path.resolve())), data)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    data = read_config_file(path) if path is not None else {}
     data = _merge(data, parse_overrides(overrides or []))
     train = data.get("train")
     if isinstance(train, dict) and not train.get("output_dir"):
@@ -327,7 +339,7 @@ def _check(cond: bool, msg: str) -> None:
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks and registry names (imports are local: registries fill on import)."""
     from mmrl.algos import get_loss_spec, list_algorithms
-    from mmrl.envs import TASKS
+    from mmrl.envs import task_names
     from mmrl.policies import POLICIES
     from mmrl.rewards import REWARDS
 
@@ -340,7 +352,7 @@ def validate(cfg: RunConfig) -> None:
     _check(adv in estimators, f"algo.advantage: unknown estimator {adv!r}; valid: {', '.join(sorted(estimators))}")
     _check(cfg.model.policy in POLICIES,
            f"model.policy: unknown policy {cfg.model.policy!r}; valid: {', '.join(sorted(POLICIES))}")
-    _check(cfg.task.name in TASKS, f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(sorted(TASKS))}")
+    _check(cfg.task.name in task_names(), f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(task_names())}")
     _check(len(cfg.rewards) > 0, "rewards: at least one reward is needed")
     for i, r in enumerate(cfg.rewards):
         _check(r.name in REWARDS, f"rewards[{i}].name: unknown reward {r.name!r}; valid: {', '.join(sorted(REWARDS))}")

@@ -26,7 +26,7 @@ from mmrl.checkpoint import (atomic_write_text, check_same_run, discard_run, fin
 from mmrl.config import RunConfig
 from mmrl.logger import MetricsLogger, say
 from mmrl.prompt_replay import PromptReplay
-from mmrl.rewards import get_reward
+from mmrl.rewards import Reward, build_reward
 from mmrl.rollout import Rollout
 
 
@@ -101,7 +101,7 @@ class Trainer:
         self.task = task
         self.device = policy.device
         self.out_dir = Path(cfg.train.output_dir)
-        self.rewards = [(r.name, r.weight, get_reward(r.name), r.params) for r in cfg.rewards]
+        self.rewards = self.build_rewards()
         self.loss_spec = algos.get_loss_spec(cfg.algo.loss)
         self.loss_params = dict(cfg.algo.loss_params)
         self.agg = self.loss_params.get("agg") or self.loss_spec.default_agg
@@ -144,6 +144,7 @@ class Trainer:
             "task": self.task.state_dict(),
             "eval_history": self.eval_history,
             "replay": self.replay.state_dict() if self.replay is not None else None,
+            "rewards": [reward.state_dict() for _, _, reward in self.rewards],
         }
 
     def save(self) -> Path:
@@ -164,6 +165,8 @@ class Trainer:
         self.eval_history = state["eval_history"]
         if self.replay is not None and state.get("replay"):
             self.replay.load_state_dict(state["replay"])
+        for (_, _, reward), reward_state in zip(self.rewards, state.get("rewards", [])):
+            reward.load_state_dict(reward_state)
         self.log.truncate_after(self.step)
         return Path(path)
 
@@ -216,11 +219,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollouts and rewards
 
-    def score(self, rollout: Rollout) -> torch.Tensor:
+    def build_rewards(self) -> list[tuple[str, float, Reward]]:
+        """(name, weight, Reward) for each configured reward, freshly built (no state yet)."""
+        return [(r.name, r.weight, build_reward(r.name, r.params)) for r in self.cfg.rewards]
+
+    def score(self, rollout: Rollout, rewards: list[tuple[str, float, Reward]] | None = None) -> torch.Tensor:
+        """Fill rollout.rewards with each reward component and their weighted "total"; `rewards`
+        defaults to the training rewards (whose state moves with training)."""
         outputs = self.policy.decode(rollout)
         total = torch.zeros(len(rollout), device=self.device)
-        for name, weight, fn, params in self.rewards:
-            r = fn(rollout.contexts, outputs, **params).to(self.device, torch.float32)
+        for name, weight, reward in rewards or self.rewards:
+            r = reward(rollout.contexts, outputs).to(self.device, torch.float32)
             rollout.rewards[name] = r
             total = total + weight * r
         rollout.rewards["total"] = total
@@ -262,6 +271,8 @@ class Trainer:
             if tries == 0:  # the raw batch's rewards are what the policy currently earns
                 for k, v in rollout.rewards.items():
                     stats[f"reward/{k}"] = v.mean().item()
+                for name, _, reward in self.rewards:
+                    stats.update({f"reward/{name}/{k}": v for k, v in reward.metrics().items()})
                 stats["reward/std"] = rollout.rewards["total"].std().item() if len(rollout) > 1 else 0.0
             total, gids = rollout.rewards["total"], rollout.group_ids
             informative = (algos.nonconstant_groups(total, gids)
@@ -441,16 +452,19 @@ class Trainer:
         (`eval/sampled_<reward>`), the reward the policy actually earns."""
         contexts = self.task.eval_batch(self.cfg.train.eval_size)
         gen = torch.Generator(device=self.device).manual_seed(12345)
+        # Rewards built afresh: every evaluation draws the same (e.g. questions), and training's
+        # rewards keep their state, so evaluating never changes what training sees.
+        rewards = self.build_rewards()
         with self.autocast:
             rollout = self.policy.sample(contexts, 1, generator=gen, temperature=0.0)
-        self.score(rollout)
+        self.score(rollout, rewards)
         result = {f"eval/{k}": v.mean().item() for k, v in rollout.rewards.items()}
         result["eval/len_mean"] = rollout.lengths.float().mean().item()
         k = self.cfg.train.eval_samples
         if k > 0:
             with self.autocast:
                 sampled = self.policy.sample(contexts, k, generator=gen)
-            self.score(sampled)
+            self.score(sampled, rewards)
             result.update({f"eval/sampled_{name}": v.mean().item() for name, v in sampled.rewards.items()})
         result["step"] = self.step
         return result

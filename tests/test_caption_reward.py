@@ -19,7 +19,7 @@ from mmrl.judges import (
     make_judge,
     parse_letter,
 )
-from mmrl.rewards import caption_qa as cq
+from mmrl.rewards import build_reward
 from mmrl.rewards.caption_qa import build_item, caption_qa, length_factor
 
 QA = {"question": "What colour is the circle?", "choices": ["red", "green", "blue", "yellow"], "answer": "blue"}
@@ -99,16 +99,27 @@ def test_questions_are_sampled_per_caption_and_shared_by_a_group():
     assert all(len(v) == 4 for k, v in by_caption.items() if k.startswith("c"))
     assert by_caption["c1"] == by_caption["c2"] == by_caption["c3"]  # the group shares its questions
     assert sorted(by_caption["d1"]) == ["q0", "q1"]  # fewer questions than N: all of them
-    rec.items.clear()
-    caption_qa(contexts[:1], ["c1"], judge=rec, questions_per_caption=4)
-    first = [it.question for it in rec.items]
-    rec.items.clear()
-    draws = set()
-    for _ in range(5):
-        caption_qa(contexts[:1], ["c1"], judge=rec, questions_per_caption=4)
-        draws.add(tuple(it.question for it in rec.items))
-        rec.items.clear()
-    assert len(draws | {tuple(first)}) > 1  # each call draws afresh
+    # The reward object draws afresh on each call; its state replays the same draws.
+    reward = build_reward("caption_qa", {"judge": rec, "questions_per_caption": 4})
+
+    def draws(n):
+        out = []
+        for _ in range(n):
+            rec.items.clear()
+            reward(contexts[:1], ["c1"])
+            out.append(tuple(it.question for it in rec.items))
+        return out
+
+    first = draws(3)
+    assert len(set(first)) > 1 and reward.state_dict() == {"draws": 3}
+    more = draws(2)
+    reward.load_state_dict({"draws": 3})
+    assert draws(2) == more
+    fresh = build_reward("caption_qa", {"judge": rec, "questions_per_caption": 4})
+    reward = fresh
+    assert draws(3) == first  # a fresh object starts the same sequence (what evaluation uses)
+    with pytest.raises(ValueError, match="unknown parameter 'questions'"):
+        build_reward("caption_qa", {"questions": 4})
 
 
 def test_length_term():
@@ -136,11 +147,12 @@ def test_malformed_judge_replies_score_zero_with_a_logged_reason(caplog):
                     JudgeReply(None, "", "timeout after 3 attempts") for i, _ in enumerate(items)]
 
     ctx = make_task("caption", seed=0, n_test=4).eval_batch(4)
+    reward = build_reward("caption_qa", {"judge": Broken()})
     with caplog.at_level(logging.WARNING, logger="mmrl.rewards.caption_qa"):
-        r = caption_qa(ctx, [c["target"] for c in ctx], judge=Broken())
+        r = reward(ctx, [c["target"] for c in ctx])
     assert torch.equal(r, torch.zeros(4))
     assert "no valid letter and scored 0" in caplog.text and "timeout" in caplog.text and "malformed" in caplog.text
-    assert cq.LAST_STATS["failed"] == cq.LAST_STATS["judged"] == 16
+    assert reward.metrics() == {"judged": 16.0, "judge_failed": 16.0}
     with pytest.raises(KeyError, match="context 0 has no 'qa'"):
         caption_qa([{"image": None}], ["x"])
 

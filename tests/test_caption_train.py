@@ -84,3 +84,31 @@ def test_gpu_caption_bench_smoke(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["captions_per_s"] > 0 and result["judged_questions_per_s"] > 0 and result["step_s"] > 0
     assert result["captioner_params"] > 0 and result["judge_params"] > 0
+
+
+def test_caption_resume_is_exact_and_evaluation_never_changes_training(tmp_path):
+    """The caption reward's question draws are trainer state: a run stopped at step 2 and resumed by
+    a new Trainer ends with the weights of one that never stopped, and evaluating every step (which
+    judges captions too) leaves training exactly as it is without evaluations."""
+    def trainer(out, eval_every, save_every=0):
+        cfg = load_config(ROOT / "configs/caption_grpo.yaml", [*SMALL, "train.steps=4", f"train.eval_every={eval_every}",
+                                                               f"train.save_every={save_every}", f"train.output_dir={out}"])
+        task, policy = _build(cfg)
+        return Trainer(cfg, policy, task)
+
+    def weights(t):
+        return {k: v.detach().clone() for k, v in t.policy.model.state_dict().items()}
+
+    quiet = trainer(tmp_path / "quiet", eval_every=0)
+    quiet.train(resume=False)
+    evaluated = trainer(tmp_path / "evaluated", eval_every=1)
+    evaluated.train(resume=False)
+    stopped = trainer(tmp_path / "stopped", eval_every=0, save_every=2)
+    stopped.cfg.train.steps = 2  # stop after step 2's checkpoint, as if killed there
+    stopped.train(resume=False)
+    resumed = trainer(tmp_path / "stopped", eval_every=0, save_every=2)
+    resumed.train()
+    assert resumed.rewards[0][2].state_dict() == quiet.rewards[0][2].state_dict() == {"draws": 4}
+    a, b, c = weights(quiet), weights(evaluated), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a), "evaluation changed training"
+    assert all(torch.equal(a[k], c[k]) for k in a), "resume is not exact"

@@ -95,3 +95,60 @@ def test_overrides_may_follow_flags(tmp_path):
     cfg = Path(__file__).parent.parent / "configs" / "arithmetic_grpo.yaml"
     # A bad override placed after the flag must still be seen (and rejected with a clear line).
     assert main(["train", str(cfg), "--no-resume", "algo.loss=nope"]) == 2
+
+
+def test_a_text_config_imports_no_simulator_or_gl(tmp_path):
+    """Tasks load by name: a text run never imports mujoco, gymnasium or OpenGL, nor sets MUJOCO_GL."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys\n"
+            "from mmrl.cli import _build\n"
+            "from mmrl.config import load_config\n"
+            "from mmrl.trainer import Trainer\n"
+            f"cfg = load_config('configs/digit_sort_grpo.yaml', ['train.output_dir={tmp_path}', 'model.tiny.hidden_size=32',"
+            " 'model.tiny.intermediate_size=64', 'model.tiny.num_attention_heads=2', 'model.tiny.num_key_value_heads=1'])\n"
+            "task, policy = _build(cfg)\n"
+            "Trainer(cfg, policy, task)\n"
+            "print(sorted(m for m in ('mujoco', 'gymnasium', 'OpenGL', 'lerobot', 'robosuite') if m in sys.modules),"
+            " os.environ.get('MUJOCO_GL'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[] None"
+
+
+def test_a_missing_extra_is_named_in_one_line(monkeypatch, capsys):
+    from mmrl import envs
+
+    monkeypatch.setitem(envs.LAZY_TASKS, "arithmetic", ("mmrl.envs._not_installed", "robot"))
+    monkeypatch.delitem(envs.TASKS, "arithmetic", raising=False)
+    cfg = Path(__file__).parent.parent / "configs" / "arithmetic_grpo.yaml"
+    assert main(["train", str(cfg), "train.steps=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "task 'arithmetic' needs the mmrl.envs._not_installed package" in err[0]
+    assert "pip install 'mmrl[robot]'" in err[0]
+
+
+def test_base_inheritance_merges_sections_and_reports_loops(tmp_path):
+    (tmp_path / "parent.yaml").write_text("algo: {loss: grpo, beta: 0.1}\ntrain: {steps: 5, lr: 0.01}\n"
+                                          "rewards:\n  - {name: exact_match}\n  - {name: position_match, weight: 0.5}\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\nalgo: {loss: gspo}\nrewards:\n  - {name: exact_match}\n")
+    cfg = load_config(tmp_path / "child.yaml", ["train.steps=7"])
+    assert (cfg.algo.loss, cfg.algo.beta, cfg.train.steps, cfg.train.lr) == ("gspo", 0.1, 7, 0.01)
+    assert [r.name for r in cfg.rewards] == ["exact_match"]  # lists are replaced whole
+    assert cfg.train.output_dir == "runs/child"
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "orphan.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
+        load_config(tmp_path / "orphan.yaml")
+
+
+def test_the_per_loss_caption_configs_differ_from_grpo_only_in_the_loss():
+    root = Path(__file__).parent.parent / "configs"
+    base = load_config(root / "caption_grpo.yaml").to_dict()
+    for loss in ("dapo", "gmpo", "gspo", "sapo"):
+        cfg = load_config(root / f"caption_{loss}.yaml").to_dict()
+        assert cfg["algo"].pop("loss") == loss and cfg["train"].pop("output_dir") == f"runs/caption_{loss}"
+        assert {**cfg, "algo": {**cfg["algo"], "loss": "grpo"}, "train": {**cfg["train"], "output_dir": "runs/caption_grpo"}} == base

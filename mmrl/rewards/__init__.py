@@ -1,33 +1,88 @@
-"""Reward adapters: `fn(contexts, outputs, **params) -> float Tensor[N]`.
+"""Reward adapters: `Reward` objects called as `reward(contexts, outputs) -> float Tensor[N]`.
 
 `outputs` is what the policy adapter decodes from a rollout (text for LMs, frames for the visual
-planner, trajectories for VLAs). Several rewards are weighted in the config; each is logged.
+planner, trajectories for VLAs). Several rewards are weighted in the config; each is logged, with
+the metrics its object reports. A stateless reward is a function `fn(contexts, outputs, **params)`
+registered as it is; a reward with state (e.g. the caption reward's question draws) subclasses
+`Reward`, and the trainer saves that state in its checkpoints.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 RewardFn = Callable[..., torch.Tensor]
-REWARDS: dict[str, RewardFn] = {}
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    def wrap(fn: RewardFn) -> RewardFn:
+class Reward:
+    """A reward adapter with state the trainer checkpoints and metrics it logs."""
+
+    def __call__(self, contexts: list[Any], outputs: list[Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers about the last call (logged as reward/<name>/<key>)."""
+        return {}
+
+
+class FunctionReward(Reward):
+    """A stateless reward function with its config parameters bound."""
+
+    def __init__(self, fn: RewardFn, **params: Any):
+        self.fn, self.params = fn, params
+
+    def __call__(self, contexts: list[Any], outputs: list[Any]) -> torch.Tensor:
+        return self.fn(contexts, outputs, **self.params)
+
+
+REWARDS: dict[str, RewardFn | type[Reward]] = {}
+
+
+def register_reward(name: str):
+    """Register a reward function or a `Reward` subclass under `name`."""
+    def wrap(entry):
         if name in REWARDS:
             raise ValueError(f"reward {name!r} is already registered")
-        REWARDS[name] = fn
-        return fn
+        REWARDS[name] = entry
+        return entry
 
     return wrap
 
 
-def get_reward(name: str) -> RewardFn:
+def get_reward(name: str) -> RewardFn | type[Reward]:
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; valid: {', '.join(sorted(REWARDS))}")
     return REWARDS[name]
+
+
+def check_params(fn: Callable, params: dict[str, Any], where: str, skip: int = 0) -> None:
+    """Raise ValueError naming a parameter `fn` does not take (after its first `skip` positional ones)."""
+    sig = inspect.signature(fn)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    valid = [n for n in list(sig.parameters)[skip:] if sig.parameters[n].kind is not inspect.Parameter.VAR_POSITIONAL]
+    unknown = [k for k in params if k not in valid]
+    if unknown:
+        raise ValueError(f"{where}: unknown parameter {unknown[0]!r}; valid: {', '.join(valid) or '(none)'}")
+
+
+def build_reward(name: str, params: dict[str, Any] | None = None) -> Reward:
+    """A fresh `Reward` for the registry entry `name` with its config parameters."""
+    entry, params = get_reward(name), dict(params or {})
+    if isinstance(entry, type) and issubclass(entry, Reward):
+        return entry(**params)
+    check_params(entry, params, f"reward {name!r}", skip=2)
+    return FunctionReward(entry, **params)
 
 
 from mmrl.rewards import text  # noqa: E402,F401  (registers the text rewards)

@@ -23,14 +23,12 @@ import numpy as np
 import torch
 
 from mmrl.judges import CANNOT_ANSWER, LETTERS, Judge, JudgeItem, JudgeReply, make_judge
-from mmrl.rewards import register_reward
+from mmrl.rewards import Reward, check_params, register_reward
 
 log = logging.getLogger("mmrl.rewards.caption_qa")
 
 _JUDGES: dict[str, Judge] = {}
 _TOKENIZERS: dict[str, Any] = {}
-_CALLS = [0]  # reward calls so far: each call draws fresh questions and shuffles
-LAST_STATS: dict[str, Any] = {}  # the last call's judged / failed counts and failure reasons
 
 
 def cached_judge(spec: str | dict[str, Any] | Judge) -> Judge:
@@ -92,9 +90,10 @@ def score_replies(replies: list[JudgeReply], letters: list[str]) -> tuple[np.nda
 
 
 def judge_captions(judge: Judge, captions: Sequence[str], qa_lists: Sequence[Sequence[dict]], grids: Sequence[int],
-                   rng: np.random.Generator, cannot_answer: bool = True) -> list[np.ndarray]:
+                   rng: np.random.Generator, cannot_answer: bool = True,
+                   stats: dict[str, Any] | None = None) -> list[np.ndarray]:
     """Judge every caption on every question of its list (one batched judge call); per caption, a
-    0/1 array over its questions."""
+    0/1 array over its questions. `stats` receives the judged / failed counts and failure reasons."""
     items, letters, owner = [], [], []
     for i, (cap, qas, grid) in enumerate(zip(captions, qa_lists, grids, strict=True)):
         for qa in qas:
@@ -106,7 +105,8 @@ def judge_captions(judge: Judge, captions: Sequence[str], qa_lists: Sequence[Seq
     if len(replies) != len(items):
         raise RuntimeError(f"judge returned {len(replies)} replies for {len(items)} questions")
     correct, reasons = score_replies(replies, letters)
-    LAST_STATS.update(judged=len(items), failed=int(sum(reasons.values())), reasons=dict(reasons))
+    if stats is not None:
+        stats.update(judged=len(items), failed=int(sum(reasons.values())), reasons=dict(reasons))
     if reasons:
         log.warning("caption_qa: %d of %d judge replies had no valid letter and scored 0: %s",
                     sum(reasons.values()), len(items), dict(reasons))
@@ -114,16 +114,15 @@ def judge_captions(judge: Judge, captions: Sequence[str], qa_lists: Sequence[Seq
     return [correct[owner_arr == i] for i in range(len(captions))]
 
 
-@register_reward("caption_qa")
 def caption_qa(contexts: list[dict], outputs: list[str], judge: str | dict[str, Any] | Judge = "lexical",
                questions_per_caption: int = 4, cannot_answer: bool = True, length_budget: int = 0,
                length_margin: int = 16, length_tokenizer: str | None = None, seed: int = 0,
-               qa_key: str = "qa") -> torch.Tensor:
-    """Judge accuracy of each caption on sampled questions of its image, times the length factor."""
+               qa_key: str = "qa", draw: int = 0, stats: dict[str, Any] | None = None) -> torch.Tensor:
+    """Judge accuracy of each caption on sampled questions of its image, times the length factor.
+    The questions and option shuffles come from the stream (`seed`, `draw`)."""
     if questions_per_caption < 1:
         raise ValueError(f"caption_qa: questions_per_caption must be >= 1, got {questions_per_caption}")
-    rng = np.random.default_rng([seed, _CALLS[0]])
-    _CALLS[0] += 1
+    rng = np.random.default_rng([seed, draw])
     picked: dict[int, list[dict]] = {}  # id(context) -> its questions for this call, shared by its group
     qa_lists = []
     for i, c in enumerate(contexts):
@@ -135,7 +134,36 @@ def caption_qa(contexts: list[dict], outputs: list[str], judge: str | dict[str, 
             picked[id(c)] = [qas[j] for j in take]
         qa_lists.append(picked[id(c)])
     per_caption = judge_captions(cached_judge(judge), outputs, qa_lists, [int(c.get("grid", 2)) for c in contexts],
-                                 rng, cannot_answer)
+                                 rng, cannot_answer, stats)
     acc = np.array([a.mean() if a.size else 0.0 for a in per_caption])
     factor = length_factor(count_tokens(outputs, length_tokenizer), length_budget, length_margin)
     return torch.from_numpy(acc * factor).float()
+
+
+@register_reward("caption_qa")
+class CaptionQA(Reward):
+    """`caption_qa` as a reward with state: call k draws its questions and option shuffles from
+    stream k, and the draw counter is saved with the trainer's checkpoints, so a resumed run judges
+    on exactly the questions an uninterrupted one would."""
+
+    def __init__(self, **params: Any):
+        check_params(caption_qa, params, "reward 'caption_qa'", skip=2)
+        for internal in ("draw", "stats"):
+            if internal in params:
+                raise ValueError(f"reward 'caption_qa': {internal!r} is kept by the reward, not a config parameter")
+        self.params, self.draws, self.stats = params, 0, {}
+
+    def __call__(self, contexts: list[dict], outputs: list[str]) -> torch.Tensor:
+        self.stats = {}
+        reward = caption_qa(contexts, outputs, draw=self.draws, stats=self.stats, **self.params)
+        self.draws += 1
+        return reward
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"draws": self.draws}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.draws = int(state["draws"])
+
+    def metrics(self) -> dict[str, float]:
+        return {"judged": float(self.stats.get("judged", 0)), "judge_failed": float(self.stats.get("failed", 0))}
