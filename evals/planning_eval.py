@@ -303,12 +303,12 @@ def report_checkpoint(cfg, task, policy, checkpoint: str | Path | None, out: str
     write the planner report (default folder: <run>/eval) and print its table."""
     import torch
 
-    from mmrl.checkpoint import load_checkpoint, resolve_checkpoint
+    from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
 
     run_dir = Path(cfg.train.output_dir)
     if checkpoint:
         run_dir, ckpt = resolve_checkpoint(checkpoint)
-        load_checkpoint(ckpt, policy.model)
+        load_whole_checkpoint(ckpt, policy.model)
     with torch.no_grad():
         record = write_planner_report(policy, task, out or run_dir / "eval", method or run_dir.name, splits, n,
                                       run_dir=run_dir)

@@ -274,7 +274,7 @@ def write_vla_report(policy, suites: Sequence[tuple[str, Any]], out_dir: str | P
 def _load_policy(cfg, checkpoint: str | None):
     """The config's policy with the checkpoint's weights: a run dir (latest step), a step_NNNNNN
     dir, or a directory written by `policy.save` (the run's final/)."""
-    from mmrl.checkpoint import load_checkpoint, resolve_checkpoint
+    from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
     from mmrl.cli import _build
 
     run_dir = Path(cfg.train.output_dir)
@@ -289,7 +289,7 @@ def _load_policy(cfg, checkpoint: str | None):
         return task, policy, ckpt.parent
     run_dir, ckpt = resolve_checkpoint(ckpt)
     task, policy = _build(cfg)
-    load_checkpoint(ckpt, policy.model)
+    load_whole_checkpoint(ckpt, policy.model)
     return task, policy, run_dir
 
 

@@ -149,10 +149,11 @@ def find_latest(run_dir: str | Path) -> Path | None:
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(run directory, checkpoint directory) for `path`: a step_NNNNNN directory, or a run directory
-    (its newest complete checkpoint)."""
+    """(run directory, checkpoint directory) for `path`: a step_NNNNNN directory (checked whole), or a
+    run directory (its newest whole checkpoint)."""
     path = Path(path)
     if (path / "meta.json").is_file() or (path / "model.safetensors").is_file():
+        verify_checkpoint(path)
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return run_dir, path
     if not path.is_dir():
@@ -167,8 +168,12 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
 def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
     """Load the weights of the checkpoint at `path` (see `resolve_checkpoint`) into `model`, after
     checking its files; returns the trainer state."""
-    _, path = resolve_checkpoint(path)
-    verify_checkpoint(path)
+    return load_whole_checkpoint(resolve_checkpoint(path)[1], model)
+
+
+def load_whole_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """`load_checkpoint` for a step directory already checked (by `verify_checkpoint`, `find_latest`
+    or `resolve_checkpoint`): hashing a large checkpoint twice is wasted time."""
     try:
         state = load_file(str(path / "model.safetensors"))
     except Exception as exc:  # safetensors raises its own error types for a bad header or body

@@ -65,7 +65,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from mmrl.checkpoint import load_checkpoint, resolve_checkpoint
+    from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
     from mmrl.config import load_config
     from mmrl.trainer import Trainer
 
@@ -80,7 +80,7 @@ def cmd_eval(args) -> int:
                           splits=args.splits or ["test", "ood", *(["paper"] if args.paper_split else [])])
         return 0
     run_dir, ckpt = resolve_checkpoint(args.checkpoint)
-    state = load_checkpoint(ckpt, policy.model)
+    state = load_whole_checkpoint(ckpt, policy.model)
     cfg.train.output_dir = str(run_dir)  # the evaluation belongs to the checkpoint's run
     trainer = Trainer(cfg, policy, task)
     trainer.step = state["step"]  # the results are labelled with the checkpoint's step

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -75,7 +77,7 @@ class AlgoConfig:
     advantage_params: dict[str, Any] = field(default_factory=dict)
     loss_params: dict[str, Any] = field(default_factory=dict)  # eps_low, eps_high, agg, tau_pos, ...
     beta: float = 0.0  # KL to the reference policy; 0 loads no reference model
-    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
+    kl_kind: str = "k3"  # a KL estimator of mmrl.algos (`mmrl algos`): k1, k2, k3, abs
     entropy_coef: float = 0.0
     # < 1: the policy gradient only on this share of tokens, the highest-entropy ones of each
     # forward pass (the mini-batch, or each micro-batch with train.micro_batch_size)
@@ -264,11 +266,27 @@ def parse_overrides(items: list[str]) -> dict:
     return data
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def _merge(base: dict | list, extra: dict, where: str = "") -> dict | list:
+    """`extra` over `base`, section by section; digit keys index into a list (`rewards.0.weight=2`)."""
+    if isinstance(base, list):
+        if not all(str(k).isdigit() for k in extra):
+            return extra  # a mapping replaces a list whole (and fails type checks if it should not)
+        out_list = list(base)
+        for k, v in extra.items():
+            i = int(k)
+            if i >= len(out_list):
+                raise ConfigError(f"override {where}{k}: index {i} is past the end ({where.rstrip('.')} has "
+                                  f"{len(out_list)} entries)")
+            out_list[i] = _merge(out_list[i], v, f"{where}{k}.") if _mergeable(out_list[i], v) else v
+        return out_list
     out = dict(base)
     for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = _merge(out[k], v, f"{where}{k}.") if _mergeable(out.get(k), v) else v
     return out
+
+
+def _mergeable(base: Any, extra: Any) -> bool:
+    return isinstance(extra, dict) and isinstance(base, (dict, list))
 
 
 def config_from_dict(data: dict) -> RunConfig:
@@ -331,31 +349,69 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config_from_dict(data)
 
 
+def check_params(fn: Callable, params: dict[str, Any], where: str, skip: int = 0, internal: tuple[str, ...] = ()) -> None:
+    """Raise ValueError naming a parameter `fn` does not take (after its first `skip` positional
+    ones; `internal` parameters are the caller's to pass, never a config's)."""
+    sig = inspect.signature(fn)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    valid = [n for n in list(sig.parameters)[skip:]
+             if sig.parameters[n].kind is not inspect.Parameter.VAR_POSITIONAL and n not in internal]
+    unknown = [k for k in params if k not in valid]
+    if unknown:
+        raise ValueError(f"{where}: unknown parameter {unknown[0]!r}; valid: {', '.join(valid) or '(none)'}")
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
 
 
+def _check_names(params: dict[str, Any], valid: list[str], where: str) -> None:
+    unknown = [k for k in params if k not in valid]
+    _check(not unknown, f"{where}: unknown parameter {unknown[0]!r}; valid: {', '.join(sorted(valid)) or '(none)'}"
+           if unknown else "")
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks and registry names (imports are local: registries fill on import)."""
-    from mmrl.algos import get_loss_spec, list_algorithms
-    from mmrl.envs import task_names
+    from mmrl.algos import get_advantage_spec, get_loss_spec, list_algorithms
+    from mmrl.envs import task_class, task_names
     from mmrl.policies import POLICIES
-    from mmrl.rewards import REWARDS
+    from mmrl.rewards import REWARDS, build_reward
 
     try:
-        get_loss_spec(cfg.algo.loss)
+        loss_spec = get_loss_spec(cfg.algo.loss)
     except ValueError as exc:
         raise ConfigError(f"algo.loss: {exc}") from None
-    estimators = [name for name, *_ in list_algorithms()["advantage"]]
+    _check_names(cfg.algo.loss_params, [p for p in loss_spec.accepted_params if p != "denominator"],
+                 f"algo.loss_params (loss {cfg.algo.loss!r})")
+    # The trainer's estimators take (rewards, group ids); GAE needs a value model the trainer does not train.
+    estimators = [name for name, *_ in list_algorithms()["advantage"] if not get_advantage_spec(name).token_level]
     adv = cfg.algo.resolved_advantage()
+    if adv == "gae":
+        raise ConfigError("algo.advantage: 'gae' needs a value model, which mmrl's trainer does not train; "
+                          f"valid: {', '.join(sorted(estimators))}")
     _check(adv in estimators, f"algo.advantage: unknown estimator {adv!r}; valid: {', '.join(sorted(estimators))}")
+    _check_names(cfg.algo.advantage_params, [p for p in get_advantage_spec(adv).params if p != "mask"],
+                 f"algo.advantage_params (estimator {adv!r})")
+    kl_kinds = [name for name, *_ in list_algorithms()["kl"]]
+    _check(cfg.algo.kl_kind in kl_kinds, f"algo.kl_kind: invalid value {cfg.algo.kl_kind!r}; valid: {', '.join(kl_kinds)}")
     _check(cfg.model.policy in POLICIES,
            f"model.policy: unknown policy {cfg.model.policy!r}; valid: {', '.join(sorted(POLICIES))}")
     _check(cfg.task.name in task_names(), f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(task_names())}")
+    try:
+        check_params(task_class(cfg.task.name).__init__, cfg.task.params, f"task.params (task {cfg.task.name!r})",
+                     skip=1, internal=("seed",))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _check(len(cfg.rewards) > 0, "rewards: at least one reward is needed")
     for i, r in enumerate(cfg.rewards):
         _check(r.name in REWARDS, f"rewards[{i}].name: unknown reward {r.name!r}; valid: {', '.join(sorted(REWARDS))}")
+        try:
+            build_reward(r.name, r.params)  # checks the parameter names; builds nothing heavy
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"rewards[{i}].params: {exc}") from None
     s, t, a = cfg.sampling, cfg.train, cfg.algo
     _check(s.group_size >= 1, f"sampling.group_size must be >= 1, got {s.group_size}")
     _check(s.max_new_tokens >= 1, f"sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}")

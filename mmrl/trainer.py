@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -21,8 +20,8 @@ import numpy as np
 import torch
 
 from mmrl import algos
-from mmrl.checkpoint import (atomic_write_text, check_same_run, discard_run, find_latest, load_checkpoint, rng_state,
-                             save_checkpoint, set_rng_state, write_run_config)
+from mmrl.checkpoint import (atomic_write_text, check_same_run, discard_run, find_latest, load_whole_checkpoint,
+                             resolve_checkpoint, rng_state, save_checkpoint, set_rng_state, write_run_config)
 from mmrl.config import RunConfig
 from mmrl.logger import MetricsLogger, say
 from mmrl.prompt_replay import PromptReplay
@@ -152,10 +151,10 @@ class Trainer:
 
     def resume(self, path: str | Path | None = None) -> Path | None:
         """Load the checkpoint at `path` (default: the newest whole one of this run); returns its path."""
-        path = path or find_latest(self.out_dir)
+        path = resolve_checkpoint(path)[1] if path else find_latest(self.out_dir)
         if path is None:
             return None
-        state = load_checkpoint(path, self.policy.model)
+        state = load_whole_checkpoint(path, self.policy.model)
         self.step, self.group_offset, self.sft_done = state["step"], state["group_offset"], state["sft_done"]
         self.sft_progress = state.get("sft_progress")
         self.optimizer.load_state_dict(state["optimizer"])
@@ -482,7 +481,7 @@ class Trainer:
         if resume:
             check_same_run(self.cfg)
         elif discard_run(self.out_dir):
-            say(f"--no-resume: discarded the previous run in {self.out_dir}")
+            say(f"starting afresh (no resume): discarded the previous run in {self.out_dir}")
         resumed_from = self.resume() if resume else None
         write_run_config(self.cfg)
         if resumed_from is not None:

@@ -29,7 +29,7 @@ def test_defaults_and_overrides(tmp_path):
     (["algo.advantage=zscore"], "unknown estimator 'zscore'"),
     (["train.stepz=3"], "unknown key 'train.stepz'"),
     (["train.steps=many"], "train.steps: expected an integer"),
-    (["algo.kl_kind=k9"], "algo.kl_kind: invalid value 'k9'; valid: k1, k2, k3, abs"),
+    (["algo.kl_kind=k9"], "algo.kl_kind: invalid value 'k9'; valid: abs, k1, k2, k3"),
     (["task.name=chess"], "unknown task 'chess'"),
     (["rewards=[{name: nope}]"], "unknown reward 'nope'"),
     (["model.policy=gpt"], "unknown policy 'gpt'"),
@@ -112,7 +112,11 @@ def test_a_text_config_imports_no_simulator_or_gl(tmp_path):
             "Trainer(cfg, policy, task)\n"
             "print(sorted(m for m in ('mujoco', 'gymnasium', 'OpenGL', 'lerobot', 'robosuite') if m in sys.modules),"
             " os.environ.get('MUJOCO_GL'))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "MUJOCO_GL"}  # an earlier test's import may have set it
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                         env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[] None"
 
@@ -152,3 +156,40 @@ def test_the_per_loss_caption_configs_differ_from_grpo_only_in_the_loss():
         cfg = load_config(root / f"caption_{loss}.yaml").to_dict()
         assert cfg["algo"].pop("loss") == loss and cfg["train"].pop("output_dir") == f"runs/caption_{loss}"
         assert {**cfg, "algo": {**cfg["algo"], "loss": "grpo"}, "train": {**cfg["train"], "output_dir": "runs/caption_grpo"}} == base
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_a_typo_in_any_component_of_a_shipped_config_is_one_line(path, capsys, monkeypatch):
+    """task / reward / loss / advantage parameters are checked at load, before anything is built."""
+    import mmrl.cli
+
+    def not_at_load(*_, **__):
+        raise AssertionError("the typo passed load_config")
+
+    monkeypatch.setattr(mmrl.cli, "run_training", not_at_load)
+    cfg = load_config(path)
+    typos = [("task.params.bogus_key=1", "task.params"), ("algo.loss_params.bogus_key=1", "algo.loss_params"),
+             ("algo.advantage_params.bogus_key=1", "algo.advantage_params")]
+    typos += [(f"rewards.{i}.params.bogus_key=1", f"rewards[{i}].params") for i in range(len(cfg.rewards))]
+    for override, where in typos:
+        assert main(["train", str(path), override]) == 2, override
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"mmrl: error: {where}") and "'bogus_key'" in err and "valid:" in err, err
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("model.lora_rank=two", "model.lora_rank: expected an integer"),
+    ("task.name=chess", "task.name: unknown task 'chess'"),
+    ("rewards.0.weight=heavy", "rewards[0].weight: expected a number"),
+    ("sampling.temperature=0", "sampling.temperature must be > 0"),
+    ("algo.advantage=gae", "'gae' needs a value model"),
+    ("algo.kl_kind=k9", "algo.kl_kind: invalid value 'k9'; valid: abs, k1, k2, k3"),
+    ("sft.lr=-1", "sft.lr must be > 0"),
+    ("train.device=tpu", "train.device: invalid value 'tpu'"),
+    ("rewards.5.weight=1", "override rewards.5: index 5 is past the end"),
+])
+def test_a_bad_value_in_each_section_exits_2_with_one_line(override, fragment, capsys):
+    assert main(["train", str(CONFIGS[0]), override]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and fragment in err, err

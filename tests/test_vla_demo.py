@@ -217,3 +217,32 @@ def test_vla_eval_tables_and_videos(tmp_path):
                          tmp_path / "videos", n=2)
     gifs = sorted(p.name for p in paths if p.suffix == ".gif")
     assert gifs == ["00_reach_1_success.gif", "01_reach_2_failure.gif"]
+
+
+def test_vla_resume_is_exact(demo_root, tmp_path):
+    """The VLA demo stopped after step 2's checkpoint and resumed by a new Trainer (new envs, new
+    policy) ends with the weights of a run that never stopped."""
+    from mmrl.cli import _build
+    from mmrl.config import load_config
+    from mmrl.trainer import Trainer
+
+    def trainer(out):
+        cfg = load_config(ROOT / "configs" / "vla_tabletop_grpo.yaml", [
+            f"task.params.demo_root={demo_root}", "task.params.demos_per_task=2", "task.params.n_eval=2",
+            "task.params.eval_samples=1", "model.params.max_chunks=2", "model.params.max_image_tokens=4",
+            "sft.steps=2", "sft.batch_size=4", "train.steps=4", "train.save_every=2", "train.prompts_per_step=1",
+            "sampling.group_size=2", "algo.success_filter=null", "train.eval_every=0", "train.eval_size=2",
+            "train.progress=false", f"train.output_dir={out}"])
+        task, policy = _build(cfg)
+        return Trainer(cfg, policy, task)
+
+    straight = trainer(tmp_path / "a")
+    straight.train(resume=False)
+    stopped = trainer(tmp_path / "b")
+    stopped.cfg.train.steps = 2  # killed right after step 2's checkpoint
+    stopped.train(resume=False)
+    resumed = trainer(tmp_path / "b")
+    resumed.train()
+    assert resumed.step == straight.step == 4
+    a, b = straight.policy.model.state_dict(), resumed.policy.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

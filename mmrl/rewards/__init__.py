@@ -9,11 +9,12 @@ registered as it is; a reward with state (e.g. the caption reward's question dra
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from mmrl.config import check_params
 
 RewardFn = Callable[..., torch.Tensor]
 
@@ -63,17 +64,6 @@ def get_reward(name: str) -> RewardFn | type[Reward]:
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; valid: {', '.join(sorted(REWARDS))}")
     return REWARDS[name]
-
-
-def check_params(fn: Callable, params: dict[str, Any], where: str, skip: int = 0) -> None:
-    """Raise ValueError naming a parameter `fn` does not take (after its first `skip` positional ones)."""
-    sig = inspect.signature(fn)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    valid = [n for n in list(sig.parameters)[skip:] if sig.parameters[n].kind is not inspect.Parameter.VAR_POSITIONAL]
-    unknown = [k for k in params if k not in valid]
-    if unknown:
-        raise ValueError(f"{where}: unknown parameter {unknown[0]!r}; valid: {', '.join(valid) or '(none)'}")
 
 
 def build_reward(name: str, params: dict[str, Any] | None = None) -> Reward:

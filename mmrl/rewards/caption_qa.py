@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from mmrl.judges import CANNOT_ANSWER, LETTERS, Judge, JudgeItem, JudgeReply, make_judge
-from mmrl.rewards import Reward, check_params, register_reward
+from mmrl.config import check_params
+from mmrl.rewards import Reward, register_reward
 
 log = logging.getLogger("mmrl.rewards.caption_qa")
 
@@ -147,10 +148,7 @@ class CaptionQA(Reward):
     on exactly the questions an uninterrupted one would."""
 
     def __init__(self, **params: Any):
-        check_params(caption_qa, params, "reward 'caption_qa'", skip=2)
-        for internal in ("draw", "stats"):
-            if internal in params:
-                raise ValueError(f"reward 'caption_qa': {internal!r} is kept by the reward, not a config parameter")
+        check_params(caption_qa, params, "reward 'caption_qa'", skip=2, internal=("draw", "stats"))
         self.params, self.draws, self.stats = params, 0, {}
 
     def __call__(self, contexts: list[dict], outputs: list[str]) -> torch.Tensor:

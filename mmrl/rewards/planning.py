@@ -254,12 +254,12 @@ from mmrl.rewards import register_reward  # noqa: E402
 
 
 @register_reward("vprl_progress")
-def vprl_progress(contexts: Sequence[dict], outputs: Sequence[np.ndarray], **reward_values: float):
+def vprl_progress(contexts: Sequence[dict], outputs: Sequence[np.ndarray], *,
+                  progress_reward: float = REWARD_PROGRESS, no_progress_reward: float = REWARD_NO_PROGRESS,
+                  invalid_reward: float = REWARD_INVALID):
     """Adapter for the trainer: each output is a generated next frame (uint8 [H, W, 3]); it is
-    parsed against its context's layout and scored against the context's `state` (+1 / 0 / -5).
-
-    `reward_values` (from the config's reward params) may override progress_reward,
-    no_progress_reward and invalid_reward."""
+    parsed against its context's layout and scored against the context's `state` (+1 / 0 / -5 by
+    default; the config's reward params may change the three values)."""
     import torch
 
     if len(contexts) != len(outputs):
@@ -267,4 +267,6 @@ def vprl_progress(contexts: Sequence[dict], outputs: Sequence[np.ndarray], **rew
     layouts = [c["layout"] for c in contexts]
     prev = np.stack([np.asarray(c["state"], np.int64) for c in contexts]) if contexts else np.zeros((0, STATE_DIM),
                                                                                                    np.int64)
-    return torch.from_numpy(step_rewards_from_frames(prev, list(outputs), layouts, **reward_values))
+    return torch.from_numpy(step_rewards_from_frames(prev, list(outputs), layouts, progress_reward=progress_reward,
+                                                     no_progress_reward=no_progress_reward,
+                                                     invalid_reward=invalid_reward))

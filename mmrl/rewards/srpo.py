@@ -254,7 +254,7 @@ def _success(outputs: list[dict], name: str) -> torch.Tensor:
 
 
 @register_reward("success")
-def success_reward(contexts, outputs, **_) -> torch.Tensor:
+def success_reward(contexts, outputs) -> torch.Tensor:
     """1 for a trajectory that reached the task's success condition, else 0."""
     return _success(outputs, "success")
 
