@@ -350,27 +350,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def check_params(fn: Callable, params: dict[str, Any], where: str, skip: int = 0, internal: tuple[str, ...] = ()) -> None:
-    """Raise ValueError naming a parameter `fn` does not take (after its first `skip` positional
+    """Raise ConfigError naming a parameter `fn` does not take (after its first `skip` positional
     ones; `internal` parameters are the caller's to pass, never a config's)."""
     sig = inspect.signature(fn)
     if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
         return
     valid = [n for n in list(sig.parameters)[skip:]
              if sig.parameters[n].kind is not inspect.Parameter.VAR_POSITIONAL and n not in internal]
+    check_names(params, valid, where)
+
+
+def check_names(params: dict[str, Any], valid: list[str], where: str) -> None:
+    """Raise ConfigError (a ValueError) naming the first key of `params` not in `valid`, and the valid ones."""
     unknown = [k for k in params if k not in valid]
     if unknown:
-        raise ValueError(f"{where}: unknown parameter {unknown[0]!r}; valid: {', '.join(valid) or '(none)'}")
+        raise ConfigError(f"{where}: unknown parameter {unknown[0]!r}; valid: {', '.join(valid) or '(none)'}")
 
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
-
-
-def _check_names(params: dict[str, Any], valid: list[str], where: str) -> None:
-    unknown = [k for k in params if k not in valid]
-    _check(not unknown, f"{where}: unknown parameter {unknown[0]!r}; valid: {', '.join(sorted(valid)) or '(none)'}"
-           if unknown else "")
 
 
 def validate(cfg: RunConfig) -> None:
@@ -384,7 +383,7 @@ def validate(cfg: RunConfig) -> None:
         loss_spec = get_loss_spec(cfg.algo.loss)
     except ValueError as exc:
         raise ConfigError(f"algo.loss: {exc}") from None
-    _check_names(cfg.algo.loss_params, [p for p in loss_spec.accepted_params if p != "denominator"],
+    check_names(cfg.algo.loss_params, [p for p in loss_spec.accepted_params if p != "denominator"],
                  f"algo.loss_params (loss {cfg.algo.loss!r})")
     # The trainer's estimators take (rewards, group ids); GAE needs a value model the trainer does not train.
     estimators = [name for name, *_ in list_algorithms()["advantage"] if not get_advantage_spec(name).token_level]
@@ -393,18 +392,15 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("algo.advantage: 'gae' needs a value model, which mmrl's trainer does not train; "
                           f"valid: {', '.join(sorted(estimators))}")
     _check(adv in estimators, f"algo.advantage: unknown estimator {adv!r}; valid: {', '.join(sorted(estimators))}")
-    _check_names(cfg.algo.advantage_params, [p for p in get_advantage_spec(adv).params if p != "mask"],
+    check_names(cfg.algo.advantage_params, [p for p in get_advantage_spec(adv).params if p != "mask"],
                  f"algo.advantage_params (estimator {adv!r})")
     kl_kinds = [name for name, *_ in list_algorithms()["kl"]]
     _check(cfg.algo.kl_kind in kl_kinds, f"algo.kl_kind: invalid value {cfg.algo.kl_kind!r}; valid: {', '.join(kl_kinds)}")
     _check(cfg.model.policy in POLICIES,
            f"model.policy: unknown policy {cfg.model.policy!r}; valid: {', '.join(sorted(POLICIES))}")
     _check(cfg.task.name in task_names(), f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(task_names())}")
-    try:
-        check_params(task_class(cfg.task.name).__init__, cfg.task.params, f"task.params (task {cfg.task.name!r})",
-                     skip=1, internal=("seed",))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    check_params(task_class(cfg.task.name).__init__, cfg.task.params, f"task.params (task {cfg.task.name!r})",
+                 skip=1, internal=("seed",))
     _check(len(cfg.rewards) > 0, "rewards: at least one reward is needed")
     for i, r in enumerate(cfg.rewards):
         _check(r.name in REWARDS, f"rewards[{i}].name: unknown reward {r.name!r}; valid: {', '.join(sorted(REWARDS))}")
