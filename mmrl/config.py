@@ -376,7 +376,7 @@ def validate(cfg: RunConfig) -> None:
     """Cross-field checks and registry names (imports are local: registries fill on import)."""
     from mmrl.algos import get_advantage_spec, get_loss_spec, list_algorithms
     from mmrl.envs import task_class, task_names
-    from mmrl.policies import POLICIES
+    from mmrl.policies import POLICIES, policy_class
     from mmrl.rewards import REWARDS, build_reward
 
     try:
@@ -398,6 +398,10 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.algo.kl_kind in kl_kinds, f"algo.kl_kind: invalid value {cfg.algo.kl_kind!r}; valid: {', '.join(kl_kinds)}")
     _check(cfg.model.policy in POLICIES,
            f"model.policy: unknown policy {cfg.model.policy!r}; valid: {', '.join(sorted(POLICIES))}")
+    try:
+        policy_class(cfg.model.policy).check_params(cfg.model.params)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _check(cfg.task.name in task_names(), f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(task_names())}")
     check_params(task_class(cfg.task.name).__init__, cfg.task.params, f"task.params (task {cfg.task.name!r})",
                  skip=1, internal=("seed",))

@@ -168,7 +168,8 @@ def test_a_typo_in_any_component_of_a_shipped_config_is_one_line(path, capsys, m
 
     monkeypatch.setattr(mmrl.cli, "run_training", not_at_load)
     cfg = load_config(path)
-    typos = [("task.params.bogus_key=1", "task.params"), ("algo.loss_params.bogus_key=1", "algo.loss_params"),
+    typos = [("task.params.bogus_key=1", "task.params"), ("model.params.bogus_key=1", "model.params"),
+             ("algo.loss_params.bogus_key=1", "algo.loss_params"),
              ("algo.advantage_params.bogus_key=1", "algo.advantage_params")]
     typos += [(f"rewards.{i}.params.bogus_key=1", f"rewards[{i}].params") for i in range(len(cfg.rewards))]
     for override, where in typos:

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.policies.base import apply_lora, check_model_params
+from mmrl.policies.base import apply_lora
 from mmrl.policies.qwen_vl import (
     QwenVLPolicy,
     VLStepper,
@@ -270,6 +270,7 @@ def run_episodes(env_factory: Callable[[list[dict]], Any] | None, rows: list[dic
 
 
 class ActionTokenVLAPolicy(QwenVLPolicy):
+    PARAMS = frozenset(POLICY_PARAMS | BUILD_PARAMS)
     def __init__(self, model: nn.Module, processor, *, action_dim: int = 7, chunk_size: int = 8, n_bins: int = 256,
                  action_low: float | Sequence[float] = -1.0, action_high: float | Sequence[float] = 1.0,
                  action_tokens: str = "special", cameras: Sequence[str] | None = None,
@@ -336,7 +337,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         the task when it has one (`task_env_factory`), else from `model.params.env` (VectorEnvFactory
         kwargs)."""
         m, params = cfg.model, dict(cfg.model.params)
-        check_model_params(params, POLICY_PARAMS | BUILD_PARAMS, "the action VLA")
+        cls.check_params(params)
         dtype = getattr(torch, m.dtype)
         arch = params.pop("arch", "qwen2_5_vl")
         freeze_vision = params.pop("freeze_vision", False)

@@ -67,6 +67,12 @@ class PolicyBase:
 
     model: nn.Module
     reference: nn.Module | None = None
+    PARAMS: frozenset[str] = frozenset()  # the model.params keys this adapter reads
+
+    @classmethod
+    def check_params(cls, params: dict) -> None:
+        """Raise ValueError naming a `model.params` key this adapter does not read (at config load)."""
+        check_model_params(params, set(cls.PARAMS), cls.__name__)
 
     @property
     def device(self) -> torch.device:
@@ -103,7 +109,7 @@ def check_model_params(params: dict, valid: set[str], policy: str) -> None:
     unknown = set(params) - valid
     if unknown:
         raise ValueError(f"model.params: unknown key(s) {sorted(unknown)} for {policy}; valid: "
-                         f"{', '.join(sorted(valid))}")
+                         f"{', '.join(sorted(valid)) or '(none)'}")
 
 
 def apply_lora(model: nn.Module, model_cfg) -> nn.Module:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.policies.base import PolicyBase, apply_lora, check_model_params
+from mmrl.policies.base import PolicyBase, apply_lora
 from mmrl.rollout import Rollout, sample_tokens, token_logprobs
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
@@ -119,6 +119,7 @@ class VLStepper:
 
 
 class QwenVLPolicy(PolicyBase):
+    PARAMS = frozenset(POLICY_PARAMS | BUILD_PARAMS)
     def __init__(self, model: nn.Module, processor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  max_new_tokens: int = 16, image_key: str = "frame", prompt_key: str = "prompt",
                  target_key: str = "target", target_join: str = " ", system_prompt: str | None = None,
@@ -183,7 +184,7 @@ class QwenVLPolicy(PolicyBase):
         """`model.source: tiny` builds a tiny model (`model.params.arch`, sizes in `model.tiny`) with a
         tokenizer trained on the task's text; `pretrained` loads `model.path`."""
         m, params = cfg.model, dict(cfg.model.params)
-        check_model_params(params, POLICY_PARAMS | BUILD_PARAMS, "a Qwen-VL policy")
+        cls.check_params(params)
         dtype = getattr(torch, m.dtype)
         arch = params.pop("arch", "qwen2_5_vl")
         if m.source == "pretrained":

@@ -35,7 +35,7 @@ from torch import nn
 
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
 from mmrl.policies.action_vla import VectorEnvFactory, _image_hwc, _np, run_episodes, task_env_factory
-from mmrl.policies.base import PolicyBase, check_model_params
+from mmrl.policies.base import PolicyBase
 from mmrl.rollout import Rollout
 
 CONFIG_NAME = "mmrl_smolvla.json"
@@ -118,6 +118,7 @@ def build_tiny_smolvla(directory: str | Path, corpus: Sequence[str], *, cameras:
 
 
 class SmolVLAPolicy(PolicyBase):
+    PARAMS = frozenset(POLICY_PARAMS)
     """`model` is the lerobot SmolVLAPolicy (the trainable module); `eta` the SDE noise level."""
 
     def __init__(self, model: nn.Module, preprocessor, postprocessor, *, eta: float = 0.7, num_steps: int | None = None,
@@ -158,7 +159,7 @@ class SmolVLAPolicy(PolicyBase):
         """`model.source: tiny` builds a tiny SmolVLA offline in `<train.output_dir>/tiny_smolvla`
         (sizes in `model.params`); `pretrained` loads `model.path` saved by `save` or by lerobot."""
         m, params = cfg.model, dict(cfg.model.params)
-        check_model_params(params, POLICY_PARAMS, "smolvla")
+        cls.check_params(params)
         env_cfg = params.pop("env", {})
         env_factory = task_env_factory(task) or VectorEnvFactory(**env_cfg)
         policy_kw = {k: params.pop(k) for k in ("eta", "num_steps", "n_action_steps", "cameras", "max_chunks",

@@ -86,6 +86,11 @@ class VisualPlannerPolicy:
     # ------------------------------------------------------------------ construction
 
     @classmethod
+    def check_params(cls, params: dict) -> None:
+        """Raise ValueError naming a bad `model.params` key or value (at config load)."""
+        VisualPlannerConfig.from_params(params)
+
+    @classmethod
     def from_config(cls, cfg, task, device="cpu") -> VisualPlannerPolicy:
         pc = VisualPlannerConfig.from_params(cfg.model.params)
         s = cfg.sampling
