@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 TASKS: dict[str, type] = {}  # registered (imported) task classes
 # Shipped tasks load on first use, so a config imports only what it needs: name -> (the module
-# that registers it, the extra whose packages it imports).
+# that registers it, the extra whose packages it imports; "core": mmrl's own dependencies).
 LAZY_TASKS: dict[str, tuple[str, str]] = {
     "arithmetic": ("mmrl.envs.arithmetic", "core"),
     "digit_sort": ("mmrl.envs.arithmetic", "core"),
@@ -48,8 +48,8 @@ def task_class(name: str) -> type:
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            raise MissingExtraError(f"task {name!r} needs the {exc.name or 'a missing'} package: "
-                              f"pip install 'mmrl[{extra}]'") from exc
+            install = "pip install mmrl" if extra == "core" else f"pip install 'mmrl[{extra}]'"
+            raise MissingExtraError(f"task {name!r} needs the {exc.name or 'a missing'} package: {install}") from exc
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid: {', '.join(task_names())}")
     return TASKS[name]
