@@ -97,14 +97,14 @@ def _sync(device: torch.device) -> None:
 
 
 def run(args) -> dict[str, Any]:
-    from mmrl.cli import _build
+    from mmrl import build
     from mmrl.config import config_from_dict
     from mmrl.logger import MetricsLogger
     from mmrl.trainer import Trainer
 
     cfg = config_from_dict(build_config(args))
     t0 = time.perf_counter()
-    task, policy = _build(cfg)
+    task, policy = build(cfg)
     build_s = time.perf_counter() - t0
     clock = {"env": 0.0, "env_build": 0.0}
     inner = policy.env_factory

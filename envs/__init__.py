@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from mmrl.envs.base import TaskBase
+
 TASKS: dict[str, type] = {}  # registered (imported) task classes
 # Shipped tasks load on first use, so a config imports only what it needs: name -> (the module
 # that registers it, the extra whose packages it imports; "core": mmrl's own dependencies).
@@ -53,6 +55,10 @@ def task_class(name: str) -> type:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid: {', '.join(task_names())}")
     return TASKS[name]
+
+
+__all__ = ["LAZY_TASKS", "TASKS", "MissingExtraError", "TaskBase", "make_task", "register_task", "task_class",
+           "task_names"]
 
 
 def make_task(name: str, seed: int, **params):

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmrl.envs import register_task
+from mmrl.envs import TaskBase, register_task
 
 _OPS = {"+": np.add, "-": np.subtract, "*": np.multiply}
 
 
 @register_task("arithmetic")
-class ArithmeticTask:
+class ArithmeticTask(TaskBase):
     def __init__(self, seed: int = 0, max_operand: int = 99, ops: tuple[str, ...] | list[str] = ("+",),
                  test_fraction: float = 0.1):
         bad = [op for op in ops if op not in _OPS]

@@ -153,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     from mmrl.checkpoint import load_checkpoint
-    from mmrl.cli import _build
+    from mmrl import build
     from mmrl.config import load_config
 
     cfg = load_config(a.config, a.overrides)
-    task, policy = _build(cfg)
+    task, policy = build(cfg)
     contexts = task.eval_batch(a.n)
     k = a.k or task.eval_k
     results: dict[str, tuple[dict, dict]] = {}

@@ -287,20 +287,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output folder (default: <output_dir>/eval)")
     a = p.parse_args(argv)
 
-    from mmrl.cli import _build
+    from mmrl import build
     from mmrl.config import load_config
 
     cfg = load_config(a.config, a.overrides)
-    task, policy = _build(cfg)
-    report_checkpoint(cfg, task, policy, a.checkpoint, out=a.out, method=a.method, splits=a.splits, n=a.n)
+    task, policy = build(cfg)
+    written = report_checkpoint(cfg, task, policy, a.checkpoint, out=a.out, method=a.method, splits=a.splits, n=a.n)
+    print(f"written: {written}")
     return 0
 
 
 def report_checkpoint(cfg, task, policy, checkpoint: str | Path | None, out: str | Path | None = None,
                       method: str | None = None, splits: Sequence[str] = ("test", "ood", "paper"),
-                      n: int | None = None) -> dict[str, Any]:
+                      n: int | None = None) -> Path:
     """Load `checkpoint` (a run directory or a step_NNNNNN one; None: evaluate `policy` as it is),
-    write the planner report (default folder: <run>/eval) and print its table."""
+    write the planner report (default folder: <run>/eval) and print its table; returns the
+    report's Markdown file."""
     import torch
 
     from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
@@ -309,15 +311,14 @@ def report_checkpoint(cfg, task, policy, checkpoint: str | Path | None, out: str
     if checkpoint:
         run_dir, ckpt = resolve_checkpoint(checkpoint)
         load_whole_checkpoint(ckpt, policy.model)
+    out = Path(out or run_dir / "eval")
     with torch.no_grad():
-        record = write_planner_report(policy, task, out or run_dir / "eval", method or run_dir.name, splits, n,
-                                      run_dir=run_dir)
+        record = write_planner_report(policy, task, out, method or run_dir.name, splits, n, run_dir=run_dir)
     print(table1([record]), end="")
     for split, entry in record["splits"].items():
         print(f"{split}: " + (entry["skipped"] if "skipped" in entry else
                               "  ".join(f"{k}={entry[k]:.3f}" for k in METRIC_KEYS)))
-    print(f"written: {Path(out or run_dir / 'eval') / 'planning_eval.md'}")
-    return record
+    return out / "planning_eval.md"
 
 
 if __name__ == "__main__":

@@ -275,20 +275,20 @@ def _load_policy(cfg, checkpoint: str | None):
     """The config's policy with the checkpoint's weights: a run dir (latest step), a step_NNNNNN
     dir, or a directory written by `policy.save` (the run's final/)."""
     from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
-    from mmrl.cli import _build
+    from mmrl import build
 
     run_dir = Path(cfg.train.output_dir)
     if checkpoint is None:
-        return *_build(cfg), run_dir
+        return *build(cfg), run_dir
     ckpt = Path(checkpoint)
     if not ckpt.is_dir():
         raise FileNotFoundError(f"--checkpoint {ckpt} is not a directory")
     if (ckpt / "action_vla.json").is_file() or (ckpt / "mmrl_smolvla.json").is_file():
         cfg.model.source, cfg.model.path = "pretrained", str(ckpt)
-        task, policy = _build(cfg)
+        task, policy = build(cfg)
         return task, policy, ckpt.parent
     run_dir, ckpt = resolve_checkpoint(ckpt)
-    task, policy = _build(cfg)
+    task, policy = build(cfg)
     load_whole_checkpoint(ckpt, policy.model)
     return task, policy, run_dir
 

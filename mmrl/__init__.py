@@ -1,0 +1,48 @@
+"""mmrl: RL post-training (GRPO family) for multimodal models.
+
+    import mmrl
+    cfg = mmrl.load_config("configs/digit_sort_grpo.yaml", ["train.steps=20"])
+    task, policy = mmrl.build(cfg)          # the components, e.g. to evaluate or probe them
+    results = mmrl.train(cfg)               # or the whole run, as `mmrl train` does
+
+Everything heavy (torch, the task's simulator) is imported on first use, so `import mmrl` is cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def load_config(path: str, overrides: list[str] | None = None):
+    """A validated `RunConfig` from a YAML file plus dotted `key=value` overrides."""
+    from mmrl.config import load_config as _load
+
+    return _load(path, overrides or [])
+
+
+def build(cfg) -> tuple[Any, Any]:
+    """(task, policy) of a config: the task registered under `task.name` (its module imported on
+    first use) and the policy adapter of `model.policy` on `train.device`, seeded by `train.seed`."""
+    import torch
+
+    from mmrl.envs import make_task
+    from mmrl.policies import build_policy
+    from mmrl.trainer import resolve_device
+
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    task = make_task(cfg.task.name, seed=cfg.train.seed, **cfg.task.params)
+    policy = build_policy(cfg, task, resolve_device(cfg.train.device))
+    return task, policy
+
+
+def train(cfg, resume: bool = True) -> dict[str, Any]:
+    """Build and train `cfg` (SFT if configured, then RL); returns the run's results (also written
+    to `train.output_dir`/results.json)."""
+    from mmrl.cli import run_training
+
+    return run_training(cfg, resume=resume)[1]
+
+
+__all__ = ["build", "load_config", "train"]

@@ -3,26 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 
-def _build(cfg):
-    import torch
-
-    from mmrl.envs import make_task
-    from mmrl.policies import build_policy
-    from mmrl.trainer import resolve_device
-
-    if cfg.train.threads > 0:
-        torch.set_num_threads(cfg.train.threads)
-    torch.manual_seed(cfg.train.seed)
-    task = make_task(cfg.task.name, seed=cfg.train.seed, **cfg.task.params)
-    policy = build_policy(cfg, task, resolve_device(cfg.train.device))
-    return task, policy
-
+from mmrl import build
 
 def run_training(cfg, resume: bool = True):
     """Build the task and policy of `cfg` and train; returns (task, results, process CPU-s of the
@@ -32,7 +18,7 @@ def run_training(cfg, resume: bool = True):
 
     if resume:  # before the (possibly long) build: a folder holding another run is refused at once
         check_same_run(cfg)
-    task, policy = _build(cfg)
+    task, policy = build(cfg)
     trainer = Trainer(cfg, policy, task)
     cpu0 = time.process_time()
     results = trainer.train(resume=resume)
@@ -58,39 +44,20 @@ def cmd_train(args) -> int:
     before, after = results["eval_before"], results["eval_after"]
     print(f"held-out reward: {before.get('eval/total', float('nan')):.3f} (step {before['step']}) -> "
           f"{after.get('eval/total', float('nan')):.3f} (step {after['step']})")
-    if hasattr(task, "summarize"):  # a task's own before/after table (e.g. planning: EM / PR per size)
-        print(task.summarize(results, cfg.train.output_dir, cpu_s=cpu_s), end="")
+    print(task.summarize(results, cfg.train.output_dir, cpu_s=cpu_s), end="")  # e.g. planning's EM / PR table
     print(f"results: {Path(cfg.train.output_dir) / 'results.json'}  report: {report}")
     return 0
 
 
 def cmd_eval(args) -> int:
-    from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
     from mmrl.config import load_config
-    from mmrl.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     if args.paper_split:
         cfg.task.params["paper_split"] = args.paper_split
-    task, policy = _build(cfg)
-    if hasattr(task, "rollout_plans") and hasattr(policy, "plan"):  # planning: the Table-1 report
-        from mmrl.evals.planning_eval import report_checkpoint
-
-        report_checkpoint(cfg, task, policy, args.checkpoint, out=args.output,
-                          splits=args.splits or ["test", "ood", *(["paper"] if args.paper_split else [])])
-        return 0
-    run_dir, ckpt = resolve_checkpoint(args.checkpoint)
-    state = load_whole_checkpoint(ckpt, policy.model)
-    cfg.train.output_dir = str(run_dir)  # the evaluation belongs to the checkpoint's run
-    trainer = Trainer(cfg, policy, task)
-    trainer.step = state["step"]  # the results are labelled with the checkpoint's step
-    result = trainer.evaluate()
-    out = Path(args.output or Path(cfg.train.output_dir) / "eval.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"checkpoint": str(args.checkpoint), **result}, indent=2))
-    for k, v in result.items():
-        print(f"{k:>24}: {v:.4f}" if isinstance(v, float) else f"{k:>24}: {v}")
-    print(f"written: {out}")
+    task, policy = build(cfg)
+    written = task.evaluate_checkpoint(cfg, policy, args.checkpoint, output=args.output, splits=args.splits)
+    print(f"written: {written}")
     return 0
 
 

@@ -440,9 +440,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy decoding on the task's fixed held-out set; a task may add its own metrics."""
         result = self._evaluate_rewards()
-        if hasattr(self.task, "evaluate"):
-            with self.autocast:
-                result.update({f"eval/{k}": v for k, v in self.task.evaluate(self.policy, self.cfg.train.eval_size).items()})
+        with self.autocast:
+            result.update({f"eval/{k}": v for k, v in self.task.evaluate(self.policy, self.cfg.train.eval_size).items()})
         return result
 
     def _evaluate_rewards(self) -> dict[str, float]:

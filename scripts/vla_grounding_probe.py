@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from mmrl.cli import _build
+from mmrl import build
 from mmrl.config import load_config
 from mmrl.trainer import Trainer
 
@@ -38,7 +38,7 @@ def main() -> None:
     cfg = load_config(sys.argv[1], ["task.params.num_workers=0", "train.progress=false", "train.eval_every=0",
                                     "train.output_dir=/tmp/mmrl_probe", *sys.argv[2:]])
     t0, c0 = time.time(), time.process_time()
-    task, policy = _build(cfg)
+    task, policy = build(cfg)
     trainer = Trainer(cfg, policy, task)
     trainer.sft()
     sft_cpu = time.process_time() - c0

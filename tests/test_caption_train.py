@@ -10,7 +10,7 @@ import pytest
 import torch
 from mmrl.evals.caption_eval import evaluate_captioner, write_caption_report
 
-from mmrl.cli import _build
+from mmrl import build
 from mmrl.cli import main as cli_main
 from mmrl.config import load_config
 from mmrl.trainer import Trainer
@@ -30,7 +30,7 @@ SMALL = [TINY,
 def test_two_step_training_smoke(tmp_path, loss):
     cfg = load_config(ROOT / f"configs/caption_{loss}.yaml", [*SMALL, f"train.output_dir={tmp_path}"])
     assert cfg.algo.loss == loss
-    task, policy = _build(cfg)
+    task, policy = build(cfg)
     before = {k: v.detach().clone() for k, v in policy.model.named_parameters()}
     results = Trainer(cfg, policy, task).train(resume=False)
     assert [e["step"] for e in results["eval_history"]] == [0, 1, 2]
@@ -50,7 +50,7 @@ def test_eval_command_and_report(tmp_path, capsys):
     run = tmp_path / "run"
     overrides = [*SMALL, "train.steps=1", f"train.output_dir={run}"]
     cfg = load_config(ROOT / "configs/caption_grpo.yaml", overrides)
-    task, policy = _build(cfg)
+    task, policy = build(cfg)
     Trainer(cfg, policy, task).train(resume=False)
     assert cli_main(["eval", "configs/caption_grpo.yaml", *overrides, "--checkpoint", str(run)]) == 0
     result = json.loads((run / "eval.json").read_text())
@@ -93,7 +93,7 @@ def test_caption_resume_is_exact_and_evaluation_never_changes_training(tmp_path)
     def trainer(out, eval_every, save_every=0):
         cfg = load_config(ROOT / "configs/caption_grpo.yaml", [*SMALL, "train.steps=4", f"train.eval_every={eval_every}",
                                                                f"train.save_every={save_every}", f"train.output_dir={out}"])
-        task, policy = _build(cfg)
+        task, policy = build(cfg)
         return Trainer(cfg, policy, task)
 
     def weights(t):

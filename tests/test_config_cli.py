@@ -103,12 +103,12 @@ def test_a_text_config_imports_no_simulator_or_gl(tmp_path):
     import sys
 
     code = ("import os, sys\n"
-            "from mmrl.cli import _build\n"
+            "from mmrl import build\n"
             "from mmrl.config import load_config\n"
             "from mmrl.trainer import Trainer\n"
             f"cfg = load_config('configs/digit_sort_grpo.yaml', ['train.output_dir={tmp_path}', 'model.tiny.hidden_size=32',"
             " 'model.tiny.intermediate_size=64', 'model.tiny.num_attention_heads=2', 'model.tiny.num_key_value_heads=1'])\n"
-            "task, policy = _build(cfg)\n"
+            "task, policy = build(cfg)\n"
             "Trainer(cfg, policy, task)\n"
             "print(sorted(m for m in ('mujoco', 'gymnasium', 'OpenGL', 'lerobot', 'robosuite') if m in sys.modules),"
             " os.environ.get('MUJOCO_GL'))\n")

@@ -157,7 +157,7 @@ def test_sft_batch_from_recorded_demos(demo_root):
 
 def test_trainer_smoke_with_the_demo_config(demo_root, tmp_path):
     """configs/vla_tabletop_grpo.yaml shortened: SFT 2 steps, GRPO 2 steps, short episodes."""
-    from mmrl.cli import _build
+    from mmrl import build
     from mmrl.config import load_config
     from mmrl.trainer import Trainer
 
@@ -167,7 +167,7 @@ def test_trainer_smoke_with_the_demo_config(demo_root, tmp_path):
         "sft.steps=2", "sft.batch_size=4", "train.steps=2", "train.prompts_per_step=1", "sampling.group_size=2",
         "algo.success_filter=null", "train.eval_every=0", "train.eval_size=2", "train.progress=false",
         f"train.output_dir={tmp_path}"])
-    task, policy = _build(cfg)
+    task, policy = build(cfg)
     results = Trainer(cfg, policy, task).train(resume=False)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     sft = [r["sft/loss"] for r in rows if "sft/loss" in r]
@@ -222,7 +222,7 @@ def test_vla_eval_tables_and_videos(tmp_path):
 def test_vla_resume_is_exact(demo_root, tmp_path):
     """The VLA demo stopped after step 2's checkpoint and resumed by a new Trainer (new envs, new
     policy) ends with the weights of a run that never stopped."""
-    from mmrl.cli import _build
+    from mmrl import build
     from mmrl.config import load_config
     from mmrl.trainer import Trainer
 
@@ -233,7 +233,7 @@ def test_vla_resume_is_exact(demo_root, tmp_path):
             "sft.steps=2", "sft.batch_size=4", "train.steps=4", "train.save_every=2", "train.prompts_per_step=1",
             "sampling.group_size=2", "algo.success_filter=null", "train.eval_every=0", "train.eval_size=2",
             "train.progress=false", f"train.output_dir={out}"])
-        task, policy = _build(cfg)
+        task, policy = build(cfg)
         return Trainer(cfg, policy, task)
 
     straight = trainer(tmp_path / "a")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-from mmrl.envs import register_task
+from mmrl.envs import TaskBase, register_task
 
 from .data import load_qa_dataset
 from .scenes import (
@@ -45,7 +45,7 @@ SOURCES = ("synthetic", "folder")
 
 
 @register_task("caption")
-class CaptionTask:
+class CaptionTask(TaskBase):
     def __init__(self, seed: int = 0, source: Literal["synthetic", "folder"] = "synthetic", n_test: int = 200,
                  grid: int = 2, cell_px: int = 28, min_objects: int = 1, max_objects: int = 3,
                  glyph_prob: float = 0.15, n_choices: int = 4, data_path: str | None = None,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from mmrl.envs import register_task
+from mmrl.envs import TaskBase, register_task
 
 from .grid import INF, Action, Cell, Layout, batch_step, canonical_task, pack_layouts
 from .render import render_state
@@ -130,7 +130,7 @@ def build_state_graph(layout: Layout) -> StateGraph:
 
 
 @register_task("planning")
-class PlanningTask:
+class PlanningTask(TaskBase):
     def __init__(self, seed: int = 0, env: str = "frozenlake", sizes: list[int] | tuple[int, ...] = (3, 4, 5),
                  n_train: int = 1000, n_test: int = 100, cell_size: int = 16,
                  sft_mode: Literal["random_walk", "optimal"] = "random_walk", paper_split: str | None = None,
@@ -375,6 +375,17 @@ class PlanningTask:
             out[f"progress_rate_L{level}"] = float(m["progress_rate"])
         self.eval_cpu_s += time.process_time() - t0
         return out
+
+    def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None):
+        """`mmrl eval` on a planner: the paper's Table-1 report (EM / PR per split and level, the
+        em_pr plot, plan GIFs) of `checkpoint`; splits default to test, ood and (when
+        `paper_split` is set) paper."""
+        from mmrl.evals.planning_eval import report_checkpoint
+
+        if not hasattr(policy, "plan"):  # the one-shot text planner has no closed-loop plans
+            return super().evaluate_checkpoint(cfg, policy, checkpoint, output, splits)
+        splits = splits or ["test", "ood", *(["paper"] if self.paper_split_path else [])]
+        return report_checkpoint(cfg, self, policy, checkpoint, out=output, splits=splits)
 
     def training_cpu_s(self, cpu_s: float) -> float:
         """`cpu_s` (process time of a training call on this task) without the time spent in `evaluate`."""

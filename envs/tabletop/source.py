@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from mmrl.envs import register_task
+from mmrl.envs import TaskBase, register_task
 
 INIT_POOL = 10**6  # train/eval init-state ids are drawn from [0, INIT_POOL)
 DEMO_SEED_BASE = 10**7  # demo seeds start here (+ 1000 * seed): never a train or eval state
@@ -75,7 +75,7 @@ def episode_metrics(contexts: list[dict], outputs: list[dict], key: str = "task"
     return out
 
 
-class _RobotTask:
+class _RobotTask(TaskBase):
     """What the robot tasks share: a training stream over `self.train` (a fresh seeded permutation
     each epoch, so the cursor alone fixes the stream and resume is exact), the fixed held-out list
     `self.test`, and `evaluate(policy, n)`: greedy and/or sampled success on the first n held-out

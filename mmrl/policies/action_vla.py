@@ -603,11 +603,7 @@ def _image_hwc(x) -> np.ndarray:
 def _corpus(task, params: dict) -> list[str]:
     """Text for the tiny tokenizer: the task's corpus, else its instructions, plus the prompt."""
     template = params.get("prompt_template", DEFAULT_PROMPT)
-    if hasattr(task, "corpus"):
-        texts = list(task.corpus())
-    else:
-        contexts = task.eval_batch(64) if hasattr(task, "eval_batch") else []
-        texts = [str(c.get("instruction", "")) for c in contexts]
+    texts = list(task.corpus()) or [str(c.get("instruction", "")) for c in task.eval_batch(64)]
     return [template.format(instruction=t) for t in texts] + [template.format(instruction="")]
 
 

@@ -196,7 +196,7 @@ class QwenVLPolicy(PolicyBase):
                 build_tokenizer,
             )
 
-            corpus = task.corpus() if hasattr(task, "corpus") else _corpus_from_sft(task, params)
+            corpus = task.corpus() or _corpus_from_sft(task, params)
             tokenizer = build_tokenizer(corpus, vocab_size=m.tokenizer_vocab_size)
             processor = build_qwen_vl_processor(tokenizer, arch, params.get("min_image_tokens", 4),
                                                 params.get("max_image_tokens", 16))
