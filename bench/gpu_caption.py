@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({**m, "step_s": time.perf_counter() - t0})
     n_caps = a.prompts * a.group
     mean = lambda k: sum(r[k] for r in rows) / len(rows)
-    from mmrl.rewards.caption_qa import cached_judge
+    from mmrl.rewards.captioning.qa import cached_judge
 
     result = {
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "smoke": a.smoke,

@@ -1,7 +1,7 @@
 """Judged questions per second through the HTTP judge back-end: batched versus one request per question.
 
-A lexical judge is served OpenAI-style on loopback (`mmrl.judge_server`). The same questions
-(true captions of held-out synthetic scenes, 4 questions each) are judged twice by `HTTPJudge`:
+A lexical judge is served OpenAI-style on loopback (`mmrl.rewards.captioning.judge_server`). The same
+questions (true captions of held-out synthetic scenes, 4 questions each) are judged twice by `HTTPJudge`:
 
 * one request per question, one at a time (`mode: chat`, concurrency 1);
 * batched: `--batch` prompts per `/v1/completions` request, `--concurrency` requests in flight.
@@ -22,9 +22,9 @@ import time
 import numpy as np
 from mmrl.envs import make_task
 
-from mmrl.judge_server import JudgeServer
-from mmrl.judges import HTTPJudge
-from mmrl.rewards.caption_qa import build_item
+from mmrl.rewards.captioning.judge_server import JudgeServer
+from mmrl.rewards.captioning.judges import HTTPJudge
+from mmrl.rewards.captioning.qa import build_item
 
 
 def questions(n: int, seed: int = 0) -> list:

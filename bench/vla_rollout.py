@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["libero"] = {"skipped": "--no-libero"}
     else:
         try:
-            from mmrl.envs.libero_env import default_assets_dir, make_libero_env
+            from mmrl.envs.libero.env import default_assets_dir, make_libero_env
 
             if not (default_assets_dir() / "scenes").is_dir():
                 raise FileNotFoundError(f"LIBERO assets not at {default_assets_dir()}")

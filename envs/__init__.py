@@ -20,7 +20,8 @@ LAZY_TASKS: dict[str, tuple[str, str]] = {
     "planning": ("mmrl.envs.planning.task", "vision"),
     "caption": ("mmrl.envs.captioning.task", "vision"),
     "tabletop": ("mmrl.envs.tabletop.source", "robot"),
-    "libero": ("mmrl.envs.tabletop.source", "libero"),
+    "libero": ("mmrl.envs.libero.task", "libero"),
+    "vqa": ("mmrl.envs.vqa.task", "vision"),
 }
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from mmrl.checkpoint import atomic_write_text
-from mmrl.rewards.caption_qa import cached_judge, judge_captions
+from mmrl.rewards.captioning.qa import cached_judge, judge_captions
 
 
 def _accuracy(judge, captions: Sequence[str], contexts: Sequence[dict], rng: np.random.Generator,

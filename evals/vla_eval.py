@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mmrl.envs.tabletop.source import episode_metrics
+from mmrl.envs.robot_task import episode_metrics
 
 # Column titles of SRPO / SimpleVLA-RL tables.
 TITLES = {"libero_spatial": "Spatial", "libero_object": "Object", "libero_goal": "Goal", "libero_10": "Long",
@@ -276,6 +276,7 @@ def _load_policy(cfg, checkpoint: str | None):
     dir, or a directory written by `policy.save` (the run's final/)."""
     from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
     from mmrl import build
+    from mmrl.policies.vla.configuration import ACTION_VLA_CONFIG_NAME, SMOLVLA_CONFIG_NAME
 
     run_dir = Path(cfg.train.output_dir)
     if checkpoint is None:
@@ -283,7 +284,7 @@ def _load_policy(cfg, checkpoint: str | None):
     ckpt = Path(checkpoint)
     if not ckpt.is_dir():
         raise FileNotFoundError(f"--checkpoint {ckpt} is not a directory")
-    if (ckpt / "action_vla.json").is_file() or (ckpt / "mmrl_smolvla.json").is_file():
+    if (ckpt / ACTION_VLA_CONFIG_NAME).is_file() or (ckpt / SMOLVLA_CONFIG_NAME).is_file():
         cfg.model.source, cfg.model.path = "pretrained", str(ckpt)
         task, policy = build(cfg)
         return task, policy, ckpt.parent

@@ -130,6 +130,10 @@ class TrainConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
     micro_batch_size: int = 0  # rows per forward/backward; 0 = whole mini-batch
+    # > 0: back-propagate this many units (tokens, action tokens, denoising steps) of each row at a
+    # time, so one window's activations are alive, not all T; the gradient is the one-pass one.
+    # Costs one extra forward without graph. 0 = all units in one pass.
+    unit_chunk: int = 0
     recompute_old_logp: bool = False  # recompute old_logp with a forward instead of the sampler's
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -360,11 +364,11 @@ def check_params(fn: Callable, params: dict[str, Any], where: str, skip: int = 0
     check_names(params, valid, where)
 
 
-def check_names(params: dict[str, Any], valid: list[str], where: str) -> None:
+def check_names(params: dict[str, Any], valid: list[str], where: str, kind: str = "parameter") -> None:
     """Raise ConfigError (a ValueError) naming the first key of `params` not in `valid`, and the valid ones."""
     unknown = [k for k in params if k not in valid]
     if unknown:
-        raise ConfigError(f"{where}: unknown parameter {unknown[0]!r}; valid: {', '.join(valid) or '(none)'}")
+        raise ConfigError(f"{where}: unknown {kind} {unknown[0]!r}; valid: {', '.join(valid) or '(none)'}")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -429,6 +433,7 @@ def validate(cfg: RunConfig) -> None:
     _check(t.ppo_epochs >= 1, f"train.ppo_epochs must be >= 1, got {t.ppo_epochs}")
     _check(t.mini_batches >= 1, f"train.mini_batches must be >= 1, got {t.mini_batches}")
     _check(t.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0, got {t.micro_batch_size}")
+    _check(t.unit_chunk >= 0, f"train.unit_chunk must be >= 0 (0 = all units in one pass), got {t.unit_chunk}")
     _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     _check(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
            f"train.device: invalid value {t.device!r}; valid: auto, cpu, cuda, cuda:N")

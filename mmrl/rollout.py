@@ -1,7 +1,8 @@
 """The data contract between policies, rewards and the trainer, and batched LM sampling.
 
-A `Rollout` holds N samples of `[N, T]` decision units (tokens, image codes or denoising steps)
-with the sampler's log-probs and a mask. The trainer only ever sees this shape.
+A `Rollout` holds N samples of `[N, T]` decision units (tokens, image codes, action tokens or
+denoising steps) with the sampler's log-probs, a mask and the unit budget the sampler worked
+under. The trainer only ever sees this shape.
 """
 
 from __future__ import annotations
@@ -14,20 +15,34 @@ import torch
 
 @dataclass
 class Rollout:
-    group_ids: torch.Tensor  # int [N]
     units: torch.Tensor  # [N, T, ...] tokens, codes or SDE states
     logp_old: torch.Tensor  # float [N, T], the sampler's log-probs
     mask: torch.Tensor  # bool [N, T], units that are trained
     truncated: torch.Tensor  # bool [N], hit the unit budget without finishing
+    # The most units a row could have had (max_new_tokens; episode chunks x tokens per chunk;
+    # denoising steps x chunks): the constant of length-normalised losses and overlong shaping.
+    max_units: int
     contexts: list[Any] = field(default_factory=list)  # per-sample context (prompt, answer, env state)
     # What `logprobs` needs; dim 0 = N. A list value holds one tensor per sample (ragged data such
     # as a VLM's flat pixel patches); rows may share one tensor object, and `select`/`concat`
     # index the list instead of the tensor.
     extras: dict[str, torch.Tensor | list[torch.Tensor]] = field(default_factory=dict)
     rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # named components, [N] each
+    # int [N]: rows with one id form a group. Policies return rows context-major (the G samples of
+    # a context adjacent); the trainer stamps the ids (`stamp_groups`), the one place they are made.
+    group_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
-        return self.group_ids.shape[0]
+        return self.mask.shape[0]
+
+    def stamp_groups(self, group_size: int, first_id: int = 0) -> Rollout:
+        """Set group ids `first_id, first_id + 1, ...`, one per `group_size` adjacent rows."""
+        n = len(self)
+        if n % group_size:
+            raise ValueError(f"{n} rows do not split into groups of {group_size}")
+        self.group_ids = torch.arange(first_id, first_id + n // group_size,
+                                      device=self.mask.device).repeat_interleave(group_size)
+        return self
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -40,11 +55,12 @@ class Rollout:
         idx_list = index.tolist()
         take = lambda t: t[index.to(t.device)]  # noqa: E731
         return Rollout(
-            group_ids=take(self.group_ids),
             units=take(self.units),
             logp_old=take(self.logp_old),
             mask=take(self.mask),
             truncated=take(self.truncated),
+            max_units=self.max_units,
+            group_ids=None if self.group_ids is None else take(self.group_ids),
             contexts=[self.contexts[i] for i in idx_list] if self.contexts else [],
             extras={k: [v[i] for i in idx_list] if isinstance(v, list) else take(v) for k, v in self.extras.items()},
             rewards={k: take(v) for k, v in self.rewards.items()},
@@ -77,6 +93,10 @@ class Rollout:
                 out[f.name] = torch.cat([pad(v, 0) for v in vals])
             elif f.name == "logp_old":
                 out[f.name] = torch.cat([pad(v, 0.0) for v in vals])
+            elif f.name == "max_units":
+                out[f.name] = max(vals)
+            elif f.name == "group_ids":
+                out[f.name] = None if any(v is None for v in vals) else torch.cat(vals)
             else:
                 out[f.name] = torch.cat(vals)
         return Rollout(**out)
@@ -85,7 +105,7 @@ class Rollout:
         mv = lambda t: t.to(device)  # noqa: E731
         return replace(
             self,
-            group_ids=mv(self.group_ids),
+            group_ids=None if self.group_ids is None else mv(self.group_ids),
             units=mv(self.units),
             logp_old=mv(self.logp_old),
             mask=mv(self.mask),

@@ -60,21 +60,23 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 320) -> PreTrainedT
     )
 
 
-TINY_QWEN2 = dict(
-    hidden_size=64,
-    intermediate_size=192,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-)
+# The language-model trunk both tiny models share.
+_TINY_LM = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+
+TINY_QWEN2 = dict(_TINY_LM, intermediate_size=192, max_position_embeddings=512, tie_word_embeddings=True)
+
+
+def _seeded_model(model_cls, config, seed: int):
+    """`model_cls(config)` with weights drawn from `seed`, leaving the global RNG as it was."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_cls(config)
 
 
 def build_tiny_qwen2(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **overrides):
     """A Qwen2-architecture causal LM with random weights, sized by `overrides`."""
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     params = {**TINY_QWEN2, **overrides}
@@ -85,10 +87,7 @@ def build_tiny_qwen2(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **overri
         pad_token_id=tokenizer.pad_token_id,
         **params,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    return model
+    return _seeded_model(Qwen2ForCausalLM, config, seed)
 
 
 # ----------------------------------------------------------------------------- tiny Qwen-VL models
@@ -112,15 +111,11 @@ QWEN_VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _VL_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
 
 TINY_QWEN_VL = dict(
-    hidden_size=64,
+    _TINY_LM,
     intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
     mrope_section=[4, 2, 2],  # must sum to head_dim / 2
     max_position_embeddings=1024,
-    rope_theta=10000.0,
     vision_depth=2,
     vision_width=32,
     vision_heads=2,
@@ -161,7 +156,6 @@ def build_qwen_vl_processor(tokenizer: PreTrainedTokenizerFast, arch: str = "qwe
 
 def build_tiny_qwen_vl(tokenizer: PreTrainedTokenizerFast, arch: str = "qwen2_5_vl", seed: int = 0, **overrides):
     """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL with random weights (about 200k parameters by default)."""
-    import torch
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                               Qwen2VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 
@@ -199,10 +193,7 @@ def build_tiny_qwen_vl(tokenizer: PreTrainedTokenizerFast, arch: str = "qwen2_5_
     config = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=True,
                         image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
                         vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"])
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-    return model
+    return _seeded_model(model_cls, config, seed)
 
 
 def build_tiny_qwen2_5_vl(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **overrides):

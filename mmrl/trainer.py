@@ -104,8 +104,6 @@ class Trainer:
         self.loss_spec = algos.get_loss_spec(cfg.algo.loss)
         self.loss_params = dict(cfg.algo.loss_params)
         self.agg = self.loss_params.get("agg") or self.loss_spec.default_agg
-        self.max_len = cfg.sampling.max_new_tokens
-        self.loss_params.setdefault("max_response_len", self.max_len)
         self.advantage = cfg.algo.resolved_advantage()
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
         t = cfg.train
@@ -222,6 +220,13 @@ class Trainer:
         """(name, weight, Reward) for each configured reward, freshly built (no state yet)."""
         return [(r.name, r.weight, build_reward(r.name, r.params)) for r in self.cfg.rewards]
 
+    def sample(self, contexts: list[Any], group_size: int, generator: torch.Generator, first_group: int = 0,
+               temperature: float | None = None) -> Rollout:
+        """The policy's G samples per context, with group ids stamped (here, and nowhere else)."""
+        with self.autocast:
+            rollout = self.policy.sample(contexts, group_size, generator=generator, temperature=temperature)
+        return rollout.stamp_groups(group_size, first_group)
+
     def score(self, rollout: Rollout, rewards: list[tuple[str, float, Reward]] | None = None) -> torch.Tensor:
         """Fill rollout.rewards with each reward component and their weighted "total"; `rewards`
         defaults to the training rewards (whose state moves with training)."""
@@ -259,9 +264,8 @@ class Trainer:
             t0 = time.perf_counter()
             replayed = self.replay.draw(round(cfg.algo.prompt_replay * P)) if self.replay is not None else []
             contexts = replayed + self.task.next_batch(P - len(replayed))
-            with self.autocast:
-                rollout = self.policy.sample(contexts, G, generator=self.sample_gen, group_offset=self.group_offset)
-            self.group_offset += P
+            rollout = self.sample(contexts, G, self.sample_gen, first_group=self.group_offset)
+            self.group_offset += len(contexts)
             stats["time/sample"] += time.perf_counter() - t0
             stats["gen_tokens"] += float(rollout.mask.sum())
             t0 = time.perf_counter()
@@ -313,7 +317,7 @@ class Trainer:
         a = self.cfg.algo
         rewards = rollout.rewards["total"]
         if a.overlong_cache_len > 0:
-            rewards = rewards + algos.overlong_penalty(rollout.lengths, self.max_len, a.overlong_cache_len)
+            rewards = rewards + algos.overlong_penalty(rollout.lengths, self.unit_budget(rollout), a.overlong_cache_len)
         if a.redit_scale > 0:
             rewards = algos.redit(rewards, a.redit_scale, kind=a.redit_kind, generator=self.sample_gen)
         if a.gfpo_keep > 0:  # GFPO: statistics and credit only for the kept members of each group
@@ -346,6 +350,71 @@ class Trainer:
         loss.backward()
         return loss.item()
 
+    def unit_budget(self, rollout: Rollout) -> int:
+        """The length constant of seq-mean-token-sum-norm and overlong shaping: the sampler's unit
+        budget, unless `algo.loss_params.max_response_len` sets it."""
+        return self.loss_params.get("max_response_len", rollout.max_units)
+
+    def unit_windows(self, T: int) -> list[slice]:
+        """The windows along T that `train.unit_chunk` back-propagates one at a time (one: all T)."""
+        c = self.cfg.train.unit_chunk
+        if c <= 0 or c >= T:
+            return [slice(0, T)]
+        return [slice(a, min(a + c, T)) for a in range(0, T, c)]
+
+    def micro_loss(self, part: Rollout, logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
+                   old_logp: torch.Tensor, adv: torch.Tensor, ref_logp: torch.Tensor | None,
+                   denom: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch from its unit log-probs and entropies [n, T], normalised by
+        `denom` (the whole optimizer step's), and its metrics."""
+        a, budget = self.cfg.algo, self.unit_budget(part)
+        params = {**self.loss_params, "max_response_len": budget}
+        pg_mask = algos.high_entropy_tokens(entropy.detach(), mask, a.entropy_top_frac)  # mask itself at 1.0
+        loss, metrics = algos.policy_loss(a.loss, logp, old_logp, adv, pg_mask, denominator=denom, agg=self.agg,
+                                          **{k: v for k, v in params.items() if k != "agg"})
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if ref_logp is not None:
+            kl = algos.kl_penalty(logp, ref_logp, a.kl_kind, mask=mask)
+            kl_term = algos.aggregate(kl, mask, self.agg, budget, denominator=denom)
+            loss = loss + a.beta * kl_term
+            metrics["kl_ref"] = kl_term.item()
+        ent_term = algos.aggregate(entropy if a.entropy_coef > 0 else entropy.detach(), mask, self.agg, budget,
+                                   denominator=denom)
+        if a.entropy_coef > 0:
+            loss = loss - a.entropy_coef * ent_term
+        metrics["entropy"] = ent_term.item()
+        return loss, metrics
+
+    def backward_micro(self, part: Rollout, *loss_inputs) -> tuple[float, dict[str, float]]:
+        """Backward of `micro_loss` on `part`. With several unit windows (`train.unit_chunk`), the
+        loss is first taken on log-probs computed without graph, which gives its gradient with
+        respect to every unit's log-prob and entropy; each window is then recomputed with graph and
+        back-propagated against that gradient. The chain rule makes the parameter gradient the
+        one-pass gradient for every loss and aggregation (sequence-level ratios included), while
+        only one window's activations are alive at a time."""
+        windows = self.unit_windows(part.units.shape[1])
+        train_entropy = self.cfg.algo.entropy_coef > 0
+        if len(windows) == 1:
+            with self.autocast:
+                logp, entropy = self.policy.logprobs(part, with_entropy=True)
+            loss, metrics = self.micro_loss(part, logp, entropy, *loss_inputs)
+            loss.backward()
+            return loss.item(), metrics
+        with torch.no_grad(), self.autocast:
+            pieces = [self.policy.logprobs(part, with_entropy=True, units=w) for w in windows]
+        logp = torch.cat([p[0] for p in pieces], 1).float().requires_grad_()
+        entropy = torch.cat([p[1] for p in pieces], 1).float().requires_grad_(train_entropy)
+        loss, metrics = self.micro_loss(part, logp, entropy, *loss_inputs)
+        loss.backward()
+        for w in windows:
+            with self.autocast:
+                logp_w, entropy_w = self.policy.logprobs(part, with_entropy=train_entropy, units=w)
+            surrogate = (logp_w * logp.grad[:, w]).sum()
+            if train_entropy:
+                surrogate = surrogate + (entropy_w * entropy.grad[:, w]).sum()
+            surrogate.backward()
+        return loss.item(), metrics
+
     def update(self, rollout: Rollout, guide_contexts: list[Any] = ()) -> dict[str, float]:
         """One RL update on `rollout`; `guide_contexts` (see `collect`) add their supervised loss
         to the first optimizer step."""
@@ -360,6 +429,7 @@ class Trainer:
         if a.beta > 0:
             with self.autocast:
                 ref_logp = self.policy.reference_logprobs(rollout)
+        budget = self.unit_budget(rollout)
         sums: dict[str, float] = defaultdict(float)
         n_updates = 0
         N = len(rollout)
@@ -370,34 +440,19 @@ class Trainer:
                 if len(mb) == 0:
                     continue
                 # The normaliser of the whole optimizer step, so micro-batching never changes the gradient.
-                denom = algos.agg_denominator(mask[mb], self.agg, self.max_len)
+                denom = algos.agg_denominator(mask[mb], self.agg, budget)
                 self.optimizer.zero_grad(set_to_none=True)
                 if guide_contexts and n_updates == 0:
                     sums["guide_loss"] += self.guidance_backward(guide_contexts)
                 for micro in self._micro_batches(mb):
-                    part = rollout.select(micro)
-                    with self.autocast:
-                        logp, entropy = self.policy.logprobs(part, with_entropy=True)
-                    m = mask[micro]
-                    pg_mask = algos.high_entropy_tokens(entropy, m, a.entropy_top_frac)  # m itself at 1.0
-                    loss, metrics = algos.policy_loss(a.loss, logp, old_logp[micro], adv[micro], pg_mask,
-                                                      denominator=denom, agg=self.agg,
-                                                      **{k: v for k, v in self.loss_params.items() if k != "agg"})
-                    if ref_logp is not None:
-                        kl = algos.kl_penalty(logp, ref_logp[micro], a.kl_kind, mask=m)
-                        kl_term = algos.aggregate(kl, m, self.agg, self.max_len, denominator=denom)
-                        loss = loss + a.beta * kl_term
-                        sums["kl_ref"] += kl_term.item()
-                    ent_term = algos.aggregate(entropy if a.entropy_coef > 0 else entropy.detach(), m, self.agg,
-                                               self.max_len, denominator=denom)
-                    if a.entropy_coef > 0:
-                        loss = loss - a.entropy_coef * ent_term
-                    loss.backward()
-                    sums["loss"] += loss.item()
-                    sums["entropy"] += ent_term.item()
+                    loss, metrics = self.backward_micro(
+                        rollout.select(micro), mask[micro], old_logp[micro], adv[micro],
+                        None if ref_logp is None else ref_logp[micro], denom)
+                    sums["loss"] += loss
                     for k, v in metrics.items():
-                        v = float(v)
-                        if k.endswith("_max"):
+                        if k in ("entropy", "kl_ref"):
+                            sums[k] += v
+                        elif k.endswith("_max"):
                             sums[k] = max(sums.get(k, v), v)
                         elif k.endswith("_min"):
                             sums[k] = min(sums.get(k, v), v)
@@ -453,15 +508,13 @@ class Trainer:
         # Rewards built afresh: every evaluation draws the same (e.g. questions), and training's
         # rewards keep their state, so evaluating never changes what training sees.
         rewards = self.build_rewards()
-        with self.autocast:
-            rollout = self.policy.sample(contexts, 1, generator=gen, temperature=0.0)
+        rollout = self.sample(contexts, 1, gen, temperature=0.0)
         self.score(rollout, rewards)
         result = {f"eval/{k}": v.mean().item() for k, v in rollout.rewards.items()}
         result["eval/len_mean"] = rollout.lengths.float().mean().item()
         k = self.cfg.train.eval_samples
         if k > 0:
-            with self.autocast:
-                sampled = self.policy.sample(contexts, k, generator=gen)
+            sampled = self.sample(contexts, k, gen)
             self.score(sampled, rewards)
             result.update({f"eval/sampled_{name}": v.mean().item() for name, v in sampled.rewards.items()})
         result["step"] = self.step

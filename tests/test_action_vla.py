@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from mmrl.config import config_from_dict
+from mmrl.envs import TaskBase
 from mmrl.envs.vector import SyncVectorEnv
 from mmrl.policies import policy_class
-from mmrl.policies.action_vla import ActionBins, ActionTokenVLAPolicy, add_action_tokens
+from mmrl.policies.vla.modeling_action_tokens import ActionTokenVLAPolicy
+from mmrl.policies.vla.processor import ActionBins, add_action_tokens
 from mmrl.rewards import get_reward
 from mmrl.rollout import Rollout
 from mmrl.tiny import build_qwen_vl_processor, build_tiny_qwen_vl, build_tokenizer
@@ -129,10 +131,10 @@ def test_vocab_tail_tokens(parts):
 def test_trajectory_rollout_and_parity(parts):
     policy = make_policy(parts)
     contexts = [{"task": "dot", "init_state_id": 3}, {"task": "dot", "init_state_id": 8, "max_steps": 3}]
-    ro = policy.sample(contexts, 3, generator=torch.Generator().manual_seed(0), group_offset=5)
+    ro = policy.sample(contexts, 3, generator=torch.Generator().manual_seed(0))
     L = policy.tokens_per_chunk
     assert ro.units.shape[1] % L == 0 and ro.units.shape == ro.mask.shape == ro.logp_old.shape
-    assert ro.group_ids.tolist() == [5, 5, 5, 6, 6, 6]
+    assert ro.max_units == policy.max_chunks * L  # the budget: every chunk an episode may take
     S = ro.units.shape[1] // L
     chunks_acted = ro.mask.view(6, S, L).any(-1).sum(1)
     for i, out in enumerate(policy.decode(ro)):
@@ -148,6 +150,11 @@ def test_trajectory_rollout_and_parity(parts):
     assert ent is not None and torch.equal(ent[~ro.mask], torch.zeros(int((~ro.mask).sum())))
     assert torch.where(ro.mask, logp - ro.logp_old, 0.0).abs().max().item() < 1e-5
     assert torch.equal(logp[~ro.mask], torch.zeros(int((~ro.mask).sum())))
+    # A window of units (train.unit_chunk) scores exactly those units, aligned with chunks or not.
+    for window in (slice(0, L), slice(L, 2 * L), slice(L // 2, L + 3)):
+        with torch.no_grad():
+            part, part_ent = policy.logprobs(ro, with_entropy=True, units=window)
+        assert torch.allclose(part, logp[:, window], atol=1e-6) and torch.allclose(part_ent, ent[:, window], atol=1e-6)
     # Select + concat (the success filter's path) keep chunks and images aligned.
     other = policy.sample(contexts[1:], 2, generator=torch.Generator().manual_seed(1))
     both = Rollout.concat([ro.select(torch.tensor([0, 4])), other])
@@ -182,7 +189,7 @@ def test_sft_learns_and_checkpoint_round_trip(parts, tmp_path):
         assert (back.logprobs_of(_obs(2), ["a", "b"], out.tokens)[0] - out.logp).abs().max() < 1e-5
 
 
-class DotTask:
+class DotTask(TaskBase):  # TaskBase: the hooks a task does not override (corpus, evaluate, ...)
     make_vector_env = staticmethod(dot_envs)  # the env hook from_config looks for
 
     def __init__(self):

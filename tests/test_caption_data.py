@@ -20,7 +20,7 @@ from mmrl.envs.captioning.scenes import (
     render,
 )
 
-from mmrl.judges import LETTERS
+from mmrl.rewards.captioning.judges import LETTERS
 
 
 def test_generator_is_deterministic_and_renders_what_it_says():

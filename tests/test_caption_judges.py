@@ -9,8 +9,8 @@ import pytest
 import torch
 from mmrl.envs import make_task
 
-from mmrl.judge_server import JudgeServer
-from mmrl.judges import (
+from mmrl.rewards.captioning.judge_server import JudgeServer
+from mmrl.rewards.captioning.judges import (
     LETTERS,
     HFJudge,
     HTTPJudge,
@@ -18,7 +18,7 @@ from mmrl.judges import (
     LexicalJudge,
     format_prompt,
 )
-from mmrl.rewards.caption_qa import build_item, caption_qa, count_tokens
+from mmrl.rewards.captioning.qa import build_item, caption_qa, count_tokens
 from mmrl.tiny import build_tiny_qwen2, build_tokenizer
 
 torch.set_num_threads(1)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from mmrl.envs import make_task
 
-from mmrl.judges import (
+from mmrl.rewards import build_reward
+from mmrl.rewards.captioning.judges import (
     CANNOT_ANSWER,
     LETTERS,
     JudgeItem,
@@ -19,8 +20,7 @@ from mmrl.judges import (
     make_judge,
     parse_letter,
 )
-from mmrl.rewards import build_reward
-from mmrl.rewards.caption_qa import build_item, caption_qa, length_factor
+from mmrl.rewards.captioning.qa import build_item, caption_qa, length_factor
 
 QA = {"question": "What colour is the circle?", "choices": ["red", "green", "blue", "yellow"], "answer": "blue"}
 
@@ -148,7 +148,7 @@ def test_malformed_judge_replies_score_zero_with_a_logged_reason(caplog):
 
     ctx = make_task("caption", seed=0, n_test=4).eval_batch(4)
     reward = build_reward("caption_qa", {"judge": Broken()})
-    with caplog.at_level(logging.WARNING, logger="mmrl.rewards.caption_qa"):
+    with caplog.at_level(logging.WARNING, logger="mmrl.rewards.captioning.qa"):
         r = reward(ctx, [c["target"] for c in ctx])
     assert torch.equal(r, torch.zeros(4))
     assert "no valid letter and scored 0" in caplog.text and "timeout" in caplog.text and "malformed" in caplog.text

@@ -10,7 +10,7 @@ torch.set_num_threads(1)
 
 pytest.importorskip("libero", reason="hf-libero is not installed (pip install 'mmrl[libero]')")
 
-from mmrl.envs.libero_env import LiberoEnv, configure_libero, default_assets_dir, suite_name  # noqa: E402
+from mmrl.envs.libero.env import LiberoEnv, configure_libero, default_assets_dir, suite_name  # noqa: E402
 
 ASSETS = default_assets_dir()
 needs_assets = pytest.mark.skipif(not (ASSETS / "scenes").is_dir(),

@@ -133,7 +133,7 @@ def test_select_and_concat_keep_logprobs(vl):
     policy = QwenVLPolicy(*vl(), max_new_tokens=8)
     a = policy.sample(_contexts(), 3, generator=torch.Generator().manual_seed(2))
     text_only = [_contexts()[0], {"frame": None, "prompt": "no image here"}]
-    b = policy.sample(text_only, 2, generator=torch.Generator().manual_seed(3), group_offset=3)
+    b = policy.sample(text_only, 2, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = policy.logprobs(a)[0]
         idx = torch.tensor([7, 0, 4])
@@ -144,6 +144,8 @@ def test_select_and_concat_keep_logprobs(vl):
         assert len(both.extras["image_grid_thw"]) == len(both) == len(a) + len(b)
         logp = policy.logprobs(both)[0]
         assert _max_diff(both, logp) < 1e-5
+        for window in (slice(0, 2), slice(3, 7)):  # a window of units scores exactly those
+            assert torch.allclose(policy.logprobs(both, units=window)[0], logp[:, window], atol=1e-5), window
         moved = a.to("cpu")
         assert moved.extras["pixel_values"][0] is moved.extras["pixel_values"][1]
 

@@ -101,8 +101,8 @@ def test_top_k_top_p_filtering():
 
 def test_rollout_select_and_concat_pad(tiny_lm):
     policy = make_policy(tiny_lm, True)
-    a = policy.sample(PROMPTS[:1], 2, generator=torch.Generator().manual_seed(0))
-    b = policy.sample(PROMPTS[1:], 2, generator=torch.Generator().manual_seed(1), group_offset=1)
+    a = policy.sample(PROMPTS[:1], 2, generator=torch.Generator().manual_seed(0)).stamp_groups(2, 0)
+    b = policy.sample(PROMPTS[1:], 2, generator=torch.Generator().manual_seed(1)).stamp_groups(2, 1)
     both = Rollout.concat([a, b])
     assert len(both) == 6 and both.units.shape[1] == max(a.units.shape[1], b.units.shape[1])
     assert both.extras["prompt_ids"].shape[1] == max(a.extras["prompt_ids"].shape[1], b.extras["prompt_ids"].shape[1])
@@ -114,6 +114,12 @@ def test_rollout_select_and_concat_pad(tiny_lm):
     assert torch.allclose(torch.where(a.mask, joined[:2, :Ta], 0), torch.where(a.mask, part, 0), atol=1e-5)
     sub = both.select(torch.tensor([0, 5]))
     assert sub.group_ids.tolist() == [0, 2] and sub.contexts[1] == PROMPTS[2]
+    assert both.max_units == a.max_units == policy.max_new_tokens
+    # A window of tokens (train.unit_chunk) scores exactly those tokens, on the lean decoder and HF's forward.
+    with torch.no_grad():
+        for scorer in (policy, make_policy(tiny_lm, False)):
+            for window in (slice(0, 1), slice(1, 3), slice(2, None)):
+                assert torch.allclose(scorer.logprobs(both, units=window)[0], joined[:, window], atol=1e-5), window
 
 
 def test_pretrained_path_loads_a_saved_tiny_model(tiny_lm, tmp_path):

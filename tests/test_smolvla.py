@@ -9,7 +9,7 @@ import torch
 
 from mmrl.config import config_from_dict
 from mmrl.policies import policy_class
-from mmrl.policies.smolvla import SmolVLAPolicy, build_tiny_smolvla
+from mmrl.policies.vla.modeling_smolvla import SmolVLAPolicy, build_tiny_smolvla
 from mmrl.rollout import Rollout
 from mmrl.trainer import Trainer
 
@@ -74,6 +74,11 @@ def test_trajectory_logprob_parity_and_decode(tiny):
         with torch.no_grad():
             logp, _ = policy.logprobs(ro)
         assert torch.where(ro.mask, logp - ro.logp_old, 0.0).abs().max().item() < 1e-5, batched
+        # A window of denoising steps (train.unit_chunk) scores exactly those steps.
+        for window in (slice(0, K), slice(K, 2 * K), slice(1, K + 1)):
+            with torch.no_grad():
+                assert torch.allclose(policy.logprobs(ro, units=window)[0], logp[:, window], atol=1e-5), window
+    assert ro.max_units == policy.max_chunks * K
     # Gradient reaches the action expert through the teacher-forced log-probs.
     policy.model.zero_grad()
     policy.logprobs(ro)[0].sum().backward()

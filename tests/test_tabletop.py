@@ -154,7 +154,7 @@ def test_follow_camera_keeps_the_gripper_at_the_centre():
 
 def _libero_assets() -> bool:
     try:
-        from mmrl.envs.libero_env import default_assets_dir
+        from mmrl.envs.libero.env import default_assets_dir
 
         return (default_assets_dir() / "scenes").is_dir()
     except ImportError:
@@ -172,7 +172,7 @@ def test_an_env_left_open_exits_without_egl_noise():
             "env.reset(seed=1)\n")
     if importlib.util.find_spec("libero") is not None and _libero_assets():
         # robosuite terminates the shared EGL display at exit before our hook runs: still quiet.
-        code += ("from mmrl.envs.libero_env import make_libero_env\n"
+        code += ("from mmrl.envs.libero.env import make_libero_env\n"
                  "make_libero_env('libero_spatial', 0, image_size=32).reset(options={'init_state_id': 0})\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -160,7 +160,7 @@ def test_group_contexts_takes_each_selected_groups_context_once(tmp_path):
     from mmrl.trainer import group_contexts
 
     ids = torch.tensor([7, 5, 7, 5, 9, 9])  # interleaved groups
-    rollout = Rollout(group_ids=ids, units=torch.zeros(6, 1), logp_old=torch.zeros(6, 1),
+    rollout = Rollout(group_ids=ids, units=torch.zeros(6, 1), logp_old=torch.zeros(6, 1), max_units=1,
                       mask=torch.ones(6, 1, dtype=torch.bool), truncated=torch.zeros(6, dtype=torch.bool),
                       contexts=["a", "b", "a", "b", "c", "c"])
     assert group_contexts(rollout, torch.tensor([True, False, True, False, True, True])) == ["a", "c"]

@@ -89,7 +89,7 @@ def test_bad_params_name_the_value():
 def test_position_jitter_reaches_the_envs_and_keys_the_demo_cache():
     from mmrl.envs.tabletop import sample_init_state
 
-    from mmrl.policies.action_vla import _init_ids
+    from mmrl.envs.episodes import init_ids
 
     with pytest.raises(ValueError, match="task.params.position_jitter"):
         make_task("tabletop", seed=0, position_jitter=0.5)
@@ -107,7 +107,7 @@ def test_position_jitter_reaches_the_envs_and_keys_the_demo_cache():
     assert len(names) == 4
     rows = jit.eval_batch(3)
     env = jit.env_factory(rows)
-    env.reset(*_init_ids(rows))
+    env.reset(*init_ids(rows))
     got = [r.env.init_state for r in env._runners]
     want = [sample_init_state("reach", c["init_state_id"], position_jitter=0.03) for c in rows]
     for g, w in zip(got, want):
@@ -118,20 +118,20 @@ def test_position_jitter_reaches_the_envs_and_keys_the_demo_cache():
 def test_next_training_batch_is_reset_while_the_policy_trains():
     """After a training rollout, the task's env factory starts the workers' resets to the next
     batch's states (what the trainer's next `next_batch` returns); eval rollouts prefetch nothing."""
-    from mmrl.policies.action_vla import _init_ids
+    from mmrl.envs.episodes import init_ids
 
     task = make_task("tabletop", seed=0, n_train=5, n_eval=2, num_workers=1, image_size=16)
     G = 2
     rows = [c for c in task.next_batch(2) for _ in range(G)]
     factory = task.env_factory
     env = factory(rows)
-    env.reset(*_init_ids(rows))
+    env.reset(*init_ids(rows))
     assert task.upcoming_rows([c for c in task.eval_batch(2) for _ in range(G)]) is None
     factory.rollout_done(rows)
     following = [c for c in task.next_batch(2) for _ in range(G)]
     assert env._pending_reset is not None
     assert [sid for _, _, sid in env._pending_reset[0]] == [c["init_state_id"] for c in following]
-    obs = env.reset(*_init_ids(following))  # collects the prefetched reset
+    obs = env.reset(*init_ids(following))  # collects the prefetched reset
     assert env._pending_reset is None and obs.state.shape == (2 * G, 8)
     assert make_task("tabletop", seed=0, num_workers=1, prefetch_resets=False).env_factory.upcoming is None
     factory.close()

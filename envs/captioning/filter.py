@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mmrl.checkpoint import atomic_write_text
-from mmrl.judges import LETTERS, parse_letter
+from mmrl.rewards.captioning.judges import LETTERS, parse_letter
 
 from .data import load_qa_dataset, write_qa_dataset
 

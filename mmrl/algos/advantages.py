@@ -19,6 +19,7 @@ from .registry import (
     as_bool_mask,
     check_finite,
     get_advantage_spec,
+    paired_mask,
     register_advantage,
 )
 
@@ -333,13 +334,7 @@ def gae(
     """
     if token_rewards.dim() != 2:
         raise AlgorithmError(f"token_rewards must be [N,T], got shape {tuple(token_rewards.shape)}")
-    if values.shape != token_rewards.shape:
-        raise AlgorithmError(
-            f"values has shape {tuple(values.shape)}, expected {tuple(token_rewards.shape)} like token_rewards"
-        )
-    m = as_bool_mask(mask, token_rewards.shape)
-    check_finite("token_rewards", token_rewards, m)
-    check_finite("values", values, m)
+    m = paired_mask("token_rewards", token_rewards, "values", values, mask)
     with torch.no_grad():
         dtype = torch.promote_types(token_rewards.dtype, torch.float32)
         zero = torch.zeros((), dtype=dtype, device=token_rewards.device)

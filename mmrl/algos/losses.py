@@ -152,6 +152,11 @@ def _ratio_metrics(ratio: Tensor, sel: Tensor) -> dict[str, Tensor]:
     return {"ratio_min": r.min(), "ratio_mean": r.mean(), "ratio_max": r.max()}
 
 
+def _seq_ratio(log_ratio: Tensor, lens: Tensor) -> Tensor:
+    """Length-normalised sequence ratio exp(mean_t l) [N]; `log_ratio` is 0 at masked-out positions."""
+    return _exp_clamped(log_ratio.sum(dim=-1) / lens.clamp_min(1))
+
+
 def _check_eps(eps_low: float | None, eps_high: float | None) -> None:
     if eps_low is not None and not 0 <= eps_low < 1:
         raise AlgorithmError(f"eps_low must be in [0, 1), got {eps_low}")
@@ -164,13 +169,29 @@ def _check_eps(eps_low: float | None, eps_high: float | None) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _clip_family(logp, old_logp, adv, mask, eps_low, eps_high):
+def _token_clip(logp, old_logp, adv, mask, eps_low, eps_high) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The PPO clipped term of the token ratio, where its clip is active, and clip_frac over `mask`."""
     _check_eps(eps_low, eps_high)
     ratio = _exp_clamped(logp - old_logp)
     term, active = _ppo_clip(ratio, adv, eps_low, eps_high)
-    return term, {"clip_frac": _masked_mean(active.to(ratio.dtype), mask)}
+    return term, active, {"clip_frac": _masked_mean(active.to(ratio.dtype), mask)}
 
 
+# GRPO, Dr. GRPO and DAPO share the PPO clipped term; they differ in defaults and aggregation only.
+@register_loss(
+    "dapo",
+    default_agg="token-mean",
+    citation="2503.14476",
+    defaults={"eps_low": 0.2, "eps_high": 0.28},
+    description="DAPO: PPO clipped term with clip-higher (0.2/0.28) and token-mean aggregation.",
+)
+@register_loss(
+    "dr_grpo",
+    default_agg="seq-mean-token-sum-norm",
+    citation="2503.20783",
+    defaults={"eps_low": 0.2, "eps_high": 0.2},
+    description="Dr. GRPO: the PPO clipped term, summed per sequence and divided by N * max_response_len.",
+)
 @register_loss(
     "grpo",
     default_agg="seq-mean-token-mean",
@@ -180,29 +201,8 @@ def _clip_family(logp, old_logp, adv, mask, eps_low, eps_high):
 )
 def grpo_loss(logp, old_logp, adv, mask, *, eps_low, eps_high):
     """PPO clipped surrogate -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)."""
-    return _clip_family(logp, old_logp, adv, mask, eps_low, eps_high)
-
-
-@register_loss(
-    "dr_grpo",
-    default_agg="seq-mean-token-sum-norm",
-    citation="2503.20783",
-    defaults={"eps_low": 0.2, "eps_high": 0.2},
-)
-def dr_grpo_loss(logp, old_logp, adv, mask, *, eps_low, eps_high):
-    """Dr. GRPO: the PPO clipped term, summed per sequence and divided by N * max_response_len."""
-    return _clip_family(logp, old_logp, adv, mask, eps_low, eps_high)
-
-
-@register_loss(
-    "dapo",
-    default_agg="token-mean",
-    citation="2503.14476",
-    defaults={"eps_low": 0.2, "eps_high": 0.28},
-)
-def dapo_loss(logp, old_logp, adv, mask, *, eps_low, eps_high):
-    """DAPO: PPO clipped term with clip-higher (0.2/0.28) and token-mean aggregation."""
-    return _clip_family(logp, old_logp, adv, mask, eps_low, eps_high)
+    term, _, metrics = _token_clip(logp, old_logp, adv, mask, eps_low, eps_high)
+    return term, metrics
 
 
 @register_loss(
@@ -215,7 +215,7 @@ def dual_clip_loss(logp, old_logp, adv, mask, *, eps_low, eps_high, dual_clip_c)
     """Dual-clip PPO: the PPO term, capped at -c*A when A < 0."""
     if not dual_clip_c > 1:
         raise AlgorithmError(f"dual_clip_c must be > 1, got {dual_clip_c}")
-    term, metrics = _clip_family(logp, old_logp, adv, mask, eps_low, eps_high)
+    term, metrics = grpo_loss(logp, old_logp, adv, mask, eps_low=eps_low, eps_high=eps_high)
     cap = -dual_clip_c * adv
     capped = (adv < 0) & (term > cap)
     term = torch.where(capped, cap, term)
@@ -234,7 +234,7 @@ def gspo_loss(logp, old_logp, adv, mask, *, eps_low, eps_high):
     _check_eps(eps_low, eps_high)
     lens = _row_lens(mask, logp.dtype)
     seq_adv = _seq_advantage(adv, mask, "gspo")
-    s = _exp_clamped((logp - old_logp).sum(dim=-1) / lens.clamp_min(1))
+    s = _seq_ratio(logp - old_logp, lens)
     term, active = _ppo_clip(s, seq_adv, eps_low, eps_high)
     rows = lens > 0
     metrics = {"clip_frac": _masked_mean(active.to(s.dtype), rows), **_ratio_metrics(s, rows)}
@@ -251,7 +251,7 @@ def gspo_token_loss(logp, old_logp, adv, mask, *, eps_low, eps_high):
     """GSPO-token: s_it = sg(s_i) * exp(logp - sg(logp)), clipped per token; token advantages allowed."""
     _check_eps(eps_low, eps_high)
     lens = _row_lens(mask, logp.dtype)
-    s = _exp_clamped((logp - old_logp).sum(dim=-1) / lens.clamp_min(1))
+    s = _seq_ratio(logp - old_logp, lens)
     s_tok = s.detach()[:, None] * torch.exp(logp - logp.detach())
     term, active = _ppo_clip(s_tok, adv, eps_low, eps_high)
     rows = lens > 0
@@ -277,10 +277,10 @@ def gmpo_loss(logp, old_logp, adv, mask, *, eps_low, eps_high):
     # sgn*min(sgn*l, sgn*clip(l)): the clipped value wins exactly when it is the smaller one.
     active = (sgn * l > sgn * l_clip) & mask
     l_tilde = torch.where(active, l_clip, l)
-    rho = _exp_clamped(torch.where(mask, l_tilde, torch.zeros_like(l)).sum(dim=-1) / lens.clamp_min(1))
+    rho = _seq_ratio(torch.where(mask, l_tilde, torch.zeros_like(l)), lens)
     term = -seq_adv * rho
     rows = lens > 0
-    seq_ratio = _exp_clamped(l.sum(dim=-1) / lens.clamp_min(1))
+    seq_ratio = _seq_ratio(l, lens)
     metrics = {"clip_frac": _masked_mean(active.to(l.dtype), mask), **_ratio_metrics(seq_ratio, rows)}
     return term[:, None].expand_as(logp), metrics
 
@@ -353,10 +353,7 @@ def clip_cov_loss(
     logp, old_logp, adv, mask, *, eps_low, eps_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator
 ):
     """Clip-Cov: PPO term; a random few tokens with centred covariance in [lb, ub] get no gradient."""
-    _check_eps(eps_low, eps_high)
-    ratio = _exp_clamped(logp - old_logp)
-    term, active = _ppo_clip(ratio, adv, eps_low, eps_high)
-    metrics = {"clip_frac": _masked_mean(active.to(ratio.dtype), mask)}
+    term, active, metrics = _token_clip(logp, old_logp, adv, mask, eps_low, eps_high)
     cov = _centred_cov(logp, adv, mask)
     # Tokens the PPO clip already cut have no gradient left to detach; like the authors' code,
     # they do not use up the sample.

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .registry import AlgorithmError, as_bool_mask, check_finite, register_offline
+from .registry import AlgorithmError, check_finite, paired_mask, register_offline
 
 __all__ = ["dpo_loss", "rpo_loss", "kto_loss", "opd_advantages"]
 
@@ -106,12 +106,6 @@ def kto_loss(
 @register_offline("opd", citation="G-OPD, 'Learning beyond Teacher' (on-policy distillation)")
 def opd_advantages(logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> Tensor:
     """On-policy distillation as RL: token advantage A[i,t] = -(logp - teacher_logp), 0 off-mask."""
-    if teacher_logp.shape != logp.shape:
-        raise AlgorithmError(
-            f"teacher_logp has shape {tuple(teacher_logp.shape)}, expected {tuple(logp.shape)} like logp"
-        )
-    m = as_bool_mask(mask, logp.shape)
-    check_finite("logp", logp, m)
-    check_finite("teacher_logp", teacher_logp, m)
+    m = paired_mask("logp", logp, "teacher_logp", teacher_logp, mask)
     adv = teacher_logp.detach() - logp.detach()
     return torch.where(m, adv, torch.zeros_like(adv))

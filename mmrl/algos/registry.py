@@ -267,3 +267,14 @@ def as_bool_mask(mask: Any, shape: Any, name: str = "mask") -> Any:
     if tuple(mask.shape) != tuple(shape):
         raise AlgorithmError(f"{name} has shape {tuple(mask.shape)}, expected {tuple(shape)}")
     return mask if mask.dtype == torch.bool else mask != 0
+
+
+def paired_mask(ref_name: str, ref: Any, name: str, x: Any, mask: Any) -> Any:
+    """The bool mask of [N,T] `ref` and `x`, once `x` is checked to have ref's shape and both to be
+    finite where the mask is set (the checks of a per-token input paired with another)."""
+    if x.shape != ref.shape:
+        raise AlgorithmError(f"{name} has shape {tuple(x.shape)}, expected {tuple(ref.shape)} like {ref_name}")
+    m = as_bool_mask(mask, ref.shape)
+    check_finite(ref_name, ref, m)
+    check_finite(name, x, m)
+    return m

@@ -16,8 +16,8 @@ POLICIES: dict[str, str] = {
     "qwen_vl": "mmrl.policies.qwen_vl:QwenVLPolicy",
     "vprl_text": "mmrl.policies.vprl_text:VPRLTextPolicy",
     "visual_planner": "mmrl.policies.visual_planner.modeling:VisualPlannerPolicy",
-    "action_vla": "mmrl.policies.action_vla:ActionTokenVLAPolicy",
-    "smolvla": "mmrl.policies.smolvla:SmolVLAPolicy",
+    "action_vla": "mmrl.policies.vla.modeling_action_tokens:ActionTokenVLAPolicy",
+    "smolvla": "mmrl.policies.vla.modeling_smolvla:SmolVLAPolicy",
 }
 
 

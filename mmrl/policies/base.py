@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmrl.config import check_names
 from mmrl.rollout import Rollout
 
 
@@ -24,14 +25,16 @@ class Policy(Protocol):
     def device(self) -> torch.device: ...
 
     def sample(self, contexts: list[Any], group_size: int, generator: torch.Generator | None = None,
-               group_offset: int = 0, temperature: float | None = None) -> Rollout:
-        """G samples per context. Rows of one context are adjacent and share group id
-        `group_offset + index`. `logp_old` is the sampler's log-prob of each unit under the same
-        distribution `logprobs` recomputes (temperature 0 = greedy)."""
+               temperature: float | None = None) -> Rollout:
+        """G samples per context, the G rows of a context adjacent (the trainer stamps group ids).
+        `logp_old` is the sampler's log-prob of each unit under the same distribution `logprobs`
+        recomputes (temperature 0 = greedy); `max_units` is the sampler's unit budget."""
 
-    def logprobs(self, rollout: Rollout, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Teacher-forced `[N, T]` log-probs of `rollout.units` (with gradient), and per-unit
-        entropy when asked."""
+    def logprobs(self, rollout: Rollout, with_entropy: bool = False,
+                 units: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced `[N, T]` log-probs of `rollout.units[:, units]` (default: all; with
+        gradient), and per-unit entropy when asked. A window computes only what its units need
+        (`train.unit_chunk` back-propagates one window at a time)."""
 
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor: ...
 
@@ -72,7 +75,7 @@ class PolicyBase:
     @classmethod
     def check_params(cls, params: dict) -> None:
         """Raise ValueError naming a `model.params` key this adapter does not read (at config load)."""
-        check_model_params(params, set(cls.PARAMS), cls.__name__)
+        check_names(params, sorted(cls.PARAMS), f"model.params ({cls.__name__})", kind="key")
 
     @property
     def device(self) -> torch.device:
@@ -104,12 +107,97 @@ class PolicyBase:
         return disabled()
 
 
-def check_model_params(params: dict, valid: set[str], policy: str) -> None:
-    """`model.params` keys a policy does not know are an error naming them and the valid ones."""
-    unknown = set(params) - valid
-    if unknown:
-        raise ValueError(f"model.params: unknown key(s) {sorted(unknown)} for {policy}; valid: "
-                         f"{', '.join(sorted(valid)) or '(none)'}")
+class TextPolicyBase(PolicyBase):
+    """What the adapters that sample text tokens share (causal LM, Qwen-VL): sampling settings, the
+    rollout around the sampler, teacher-forced log-probs of it, decode, SFT loss and save.
+
+    A subclass sets `eos_token_ids` and `suppress_token_ids` and writes `encode(contexts)` (prompt
+    tensors, and lists that the G samples of a context share), `_generate` (the sampler call),
+    `_token_logprobs` (reading what `encode` gave) and `target_text`.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, *, processor=None, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, max_new_tokens: int = 16):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.processor = tokenizer if processor is None else processor  # what `save` writes beside the weights
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.max_new_tokens = max_new_tokens
+
+    @property
+    def pad_token_id(self) -> int:
+        """What the sampler writes after a row's EOS: the tokenizer's pad token, else the first EOS."""
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.eos_token_ids[0]
+
+    @torch.no_grad()
+    def sample(self, contexts: list[Any], group_size: int, generator: torch.Generator | None = None,
+               temperature: float | None = None) -> Rollout:
+        enc = self.encode(contexts)
+        rows = repeat_rows(enc, group_size)
+        kwargs = dict(max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos_token_ids,
+                      pad_token_id=self.pad_token_id,
+                      temperature=self.temperature if temperature is None else temperature, top_k=self.top_k,
+                      top_p=self.top_p, suppress_token_ids=self.suppress_token_ids, generator=generator)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self._generate(enc, rows, group_size, kwargs)
+        finally:
+            self.model.train(was_training)
+        return Rollout(units=out.tokens, logp_old=out.logp, mask=out.mask, truncated=out.truncated,
+                       max_units=self.max_new_tokens, contexts=repeat_rows(contexts, group_size), extras=rows)
+
+    def logprobs(self, rollout: Rollout, with_entropy: bool = False, units: slice | None = None):
+        return self._token_logprobs(self.model, rollout.extras, rollout.units, with_entropy, window=units)
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        with self.reference_module() as ref:
+            return self._token_logprobs(ref, rollout.extras, rollout.units, False)[0]
+
+    def decode(self, rollout: Rollout) -> list[str]:
+        rows = [u[m].tolist() for u, m in zip(rollout.units.cpu(), rollout.mask.cpu())]
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+    def sft_loss(self, contexts: list[Any]) -> torch.Tensor:
+        """Token-mean negative log-likelihood of the target text + EOS after each prompt."""
+        enc = self.encode(contexts)
+        eos = self.tokenizer.eos_token or self.tokenizer.convert_ids_to_tokens(self.eos_token_ids[0])
+        targets = self.tokenizer([self.target_text(c, i) + eos for i, c in enumerate(contexts)],
+                                 return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        units, mask = targets.input_ids.to(self.device), targets.attention_mask.bool().to(self.device)
+        logp, _ = self._token_logprobs(self.model, enc, units, False, temperature=1.0)
+        return -torch.where(mask, logp, 0.0).sum() / mask.sum()
+
+    def save(self, directory: str | Path) -> None:
+        self.model.save_pretrained(directory)
+        self.processor.save_pretrained(directory)
+
+
+def repeat_rows(batch, group_size: int):
+    """Each row `group_size` times, adjacent: tensors along dim 0; list entries are repeated, not
+    copied (the G samples of a context share its vision tensors); a dict, value by value."""
+    if isinstance(batch, dict):
+        return {k: repeat_rows(v, group_size) for k, v in batch.items()}
+    if isinstance(batch, torch.Tensor):
+        return batch.repeat_interleave(group_size, 0)
+    return [x for x in batch for _ in range(group_size)]
+
+
+def sampling_settings(s) -> dict[str, Any]:
+    """The `sampling` config values a text policy's constructor takes."""
+    return dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """`model.path` as a Path, checked to be a saved checkpoint (a clear error instead of a hub lookup)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {path} has no config.json: not a saved checkpoint directory")
+    return path
 
 
 def apply_lora(model: nn.Module, model_cfg) -> nn.Module:

@@ -182,15 +182,17 @@ class FastDecoder:
 
 def completion_logprobs(model, fast: FastDecoder | None, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         units: torch.Tensor, *, temperature: float, suppress: torch.Tensor,
-                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Teacher-forced log-probs (and entropy) of `units` [N, T] after left-padded prompts, under
-    softmax(logits / temperature) with `suppress` ids removed. The lean decoder runs when `fast`
-    wraps `model` (gradients flow to its parameters); anything else (a frozen reference copy,
-    dropout in training) takes the HF forward. Only the T positions that predict a unit are
-    projected to the vocabulary; the lean decoder runs each distinct prompt once."""
-    T = units.shape[1]
+                        with_entropy: bool, window: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Teacher-forced log-probs (and entropy) of `units[:, window]` (default: all T) after
+    left-padded prompts, under softmax(logits / temperature) with `suppress` ids removed. The lean
+    decoder runs when `fast` wraps `model` (gradients flow to its parameters); anything else (a
+    frozen reference copy, dropout in training) takes the HF forward. Only the positions that
+    predict a unit of the window are projected to the vocabulary (the [N, T, V] logits are what a
+    window bounds); the lean decoder runs each distinct prompt once."""
+    start, stop, _ = (window or slice(None)).indices(units.shape[1])
+    units, T = units[:, :stop], stop - start  # later units cannot change a causal model's scores
     if fast is not None and fast.model is model and not (model.training and fast.dropout > 0):
-        logits = fast.completion_logits(prompt_ids, prompt_mask, units).float()
+        logits = fast.completion_logits(prompt_ids, prompt_mask, units)[:, start:].float()
     else:
         ids = torch.cat([prompt_ids, units], 1)
         attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
@@ -198,7 +200,7 @@ def completion_logprobs(model, fast: FastDecoder | None, prompt_ids: torch.Tenso
                        logits_to_keep=T + 1).logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
-    return token_logprobs(logits, units, suppress.to(logits.device), with_entropy)
+    return token_logprobs(logits, units[:, start:], suppress.to(logits.device), with_entropy)
 
 
 def _causal_padding_mask(attention_mask: torch.Tensor, S: int) -> torch.Tensor:

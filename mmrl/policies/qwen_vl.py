@@ -28,9 +28,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.policies.base import PolicyBase, apply_lora
-from mmrl.rollout import Rollout, sample_tokens, token_logprobs
+from mmrl.policies.base import TextPolicyBase, apply_lora, checkpoint_dir, sampling_settings
+from mmrl.rollout import sample_tokens, token_logprobs
 
+IMAGE_PLACEHOLDER = "<image>"  # where a prompt places an image (EasyR1, Geometry3K, MathVerse layouts)
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 _VISION_TOKEN_CONFIG_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 # model.params: what the policy reads from contexts, and how `from_config` builds the model.
@@ -118,19 +119,14 @@ class VLStepper:
         return out.logits[:, -1, :].float()
 
 
-class QwenVLPolicy(PolicyBase):
+class QwenVLPolicy(TextPolicyBase):
     PARAMS = frozenset(POLICY_PARAMS | BUILD_PARAMS)
     def __init__(self, model: nn.Module, processor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  max_new_tokens: int = 16, image_key: str = "frame", prompt_key: str = "prompt",
                  target_key: str = "target", target_join: str = " ", system_prompt: str | None = None,
                  min_image_tokens: int | None = None, max_image_tokens: int | None = None):
-        self.model = model
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
-        self.temperature = temperature
-        self.top_k = top_k
-        self.top_p = top_p
-        self.max_new_tokens = max_new_tokens
+        super().__init__(model, processor.tokenizer, processor=processor, temperature=temperature, top_k=top_k,
+                         top_p=top_p, max_new_tokens=max_new_tokens)
         self.image_key = image_key
         self.prompt_key = prompt_key
         self.target_key = target_key
@@ -144,9 +140,7 @@ class QwenVLPolicy(PolicyBase):
         self.eos_token_ids = list(dict.fromkeys(i for i in [tok.eos_token_id, *gen_eos] if i is not None))
         if not self.eos_token_ids:
             raise ValueError("the tokenizer has no eos_token and the model's generation_config no eos_token_id")
-        self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_token_ids[0]
         self.suppress_token_ids = self._suppressed_ids()
-        self.reference = None
 
     def _image_size_kwargs(self, min_tokens: int | None, max_tokens: int | None) -> dict[str, int]:
         """Processor overrides that resize each image to between min and max LM tokens (None: the
@@ -205,17 +199,13 @@ class QwenVLPolicy(PolicyBase):
             _rope_owner(model).visual.requires_grad_(False)
         # The default LoRA targets (q_proj, ...) name only language-model layers.
         model = apply_lora(model, m).to(device)
-        s = cfg.sampling
-        return cls(model, processor, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                   max_new_tokens=s.max_new_tokens, **params)
+        return cls(model, processor, **sampling_settings(cfg.sampling), **params)
 
     @staticmethod
     def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path {path} has no config.json: not a saved checkpoint directory")
+        path = checkpoint_dir(path)
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
         return model, processor
@@ -224,10 +214,6 @@ class QwenVLPolicy(PolicyBase):
     def from_pretrained(cls, path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, **kwargs) -> QwenVLPolicy:
         model, processor = cls.load_pretrained(path, dtype)
         return cls(model.to(device), processor, **kwargs)
-
-    def save(self, directory: str | Path) -> None:
-        self.model.save_pretrained(directory)
-        self.processor.save_pretrained(directory)
 
     # ------------------------------------------------------------------ encoding
 
@@ -238,9 +224,20 @@ class QwenVLPolicy(PolicyBase):
         items = value if isinstance(value, (list, tuple)) else [value]
         return [_to_image(x, f"context {i} {self.image_key!r}") for x in items]
 
-    def _chat_text(self, prompt: str, n_images: int) -> str:
+    def _chat_text(self, prompt: str, n_images: int, where: str = "context") -> str:
+        """One user turn: the images where the prompt's `<image>` placeholders stand (EasyR1 /
+        Geometry3K layout), or all of them before the text when it has none."""
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
+        pieces = prompt.split(IMAGE_PLACEHOLDER)
+        if len(pieces) == 1:
+            content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
+        elif len(pieces) - 1 == n_images:
+            content = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+            for text in pieces[1:]:
+                content += [{"type": "image"}] + ([{"type": "text", "text": text}] if text else [])
+        else:
+            raise ValueError(f"{where}: the prompt has {len(pieces) - 1} {IMAGE_PLACEHOLDER} placeholder(s) for "
+                             f"{n_images} image(s); give one per image, or none (images go first)")
         messages.append({"role": "user", "content": content})
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -249,7 +246,7 @@ class QwenVLPolicy(PolicyBase):
         texts, images, counts = [], [], []
         for i, c in enumerate(contexts):
             imgs = self._images(c, i)
-            texts.append(self._chat_text(str(_field(c, self.prompt_key, i, "prompt_key")), len(imgs)))
+            texts.append(self._chat_text(str(_field(c, self.prompt_key, i, "prompt_key")), len(imgs), f"context {i}"))
             images += imgs
             counts.append(len(imgs))
         enc = self.processor(text=texts, images=images or None, padding=True, padding_side="left",
@@ -269,86 +266,36 @@ class QwenVLPolicy(PolicyBase):
             "image_grid_thw": [g.to(dev) for g in grid_parts],
         }
 
-    def decode(self, rollout: Rollout) -> list[str]:
-        rows = [u[m].tolist() for u, m in zip(rollout.units.cpu(), rollout.mask.cpu())]
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
-
     # ------------------------------------------------------------------ sampling
 
-    @torch.no_grad()
-    def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
-               group_offset: int = 0, temperature: float | None = None) -> Rollout:
-        enc = self.encode(contexts)
-        G = group_size
-        prompt_ids = enc["prompt_ids"].repeat_interleave(G, 0)
-        prompt_mask = enc["prompt_mask"].repeat_interleave(G, 0)
+    def _generate(self, enc, rows, group_size, kwargs):
+        """Prefill each context once (`VLStepper`), then its KV cache serves the G samples."""
         stepper = VLStepper(self.model, enc["mm_token_type_ids"],
-                            vision_inputs(enc["pixel_values"], enc["image_grid_thw"]), G)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            out = sample_tokens(self.model, prompt_ids, prompt_mask, max_new_tokens=self.max_new_tokens,
-                                eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                                temperature=self.temperature if temperature is None else temperature,
-                                top_k=self.top_k, top_p=self.top_p, suppress_token_ids=self.suppress_token_ids,
-                                generator=generator, stepper=stepper)
-        finally:
-            self.model.train(was_training)
-        n = len(contexts)
-        group_ids = torch.arange(group_offset, group_offset + n, device=self.device).repeat_interleave(G)
-        # The G rows of a context share its vision tensors (list entries, not copies).
-        per_sample = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
-        return Rollout(
-            group_ids=group_ids,
-            units=out.tokens,
-            logp_old=out.logp,
-            mask=out.mask,
-            truncated=out.truncated,
-            contexts=per_sample(contexts),
-            extras={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-                    "mm_token_type_ids": enc["mm_token_type_ids"].repeat_interleave(G, 0),
-                    "pixel_values": per_sample(enc["pixel_values"]),
-                    "image_grid_thw": per_sample(enc["image_grid_thw"])},
-        )
+                            vision_inputs(enc["pixel_values"], enc["image_grid_thw"]), group_size)
+        return sample_tokens(self.model, rows["prompt_ids"], rows["prompt_mask"], stepper=stepper, **kwargs)
 
     # ------------------------------------------------------------------ teacher forcing
 
     def _token_logprobs(self, model: nn.Module, extras: dict[str, Any], units: torch.Tensor, with_entropy: bool,
-                        temperature: float | None = None):
-        T = units.shape[1]
+                        temperature: float | None = None, window: slice | None = None):
+        """Log-probs (and entropy) of `units[:, window]` (default: all), teacher-forced after the prompts."""
+        start, stop, _ = (window or slice(None)).indices(units.shape[1])
+        units, T = units[:, :stop], stop - start  # later units cannot change a causal model's scores
         ids = torch.cat([extras["prompt_ids"], units], 1)
         attn = torch.cat([extras["prompt_mask"], torch.ones_like(units)], 1)
         mm = torch.cat([extras["mm_token_type_ids"], torch.zeros_like(units)], 1)  # the completion is text
         vision = vision_inputs(extras["pixel_values"], extras["image_grid_thw"])
         pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
-        # Only the T positions that predict a completion token are projected to the vocabulary.
+        # Only the T positions that predict a unit of the window are projected to the vocabulary.
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm, use_cache=False,
                        logits_to_keep=T + 1, **vision).logits[:, :-1].float()
         logits = logits / (self.temperature if temperature is None else temperature)
         suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=logits.device)
-        return token_logprobs(logits, units, suppress, with_entropy)
-
-    def logprobs(self, rollout: Rollout, with_entropy: bool = False):
-        return self._token_logprobs(self.model, rollout.extras, rollout.units, with_entropy)
-
-    @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
-        with self.reference_module() as ref:
-            return self._token_logprobs(ref, rollout.extras, rollout.units, False)[0]
+        return token_logprobs(logits, units[:, start:], suppress, with_entropy)
 
     def target_text(self, context: dict, i: int = 0) -> str:
         t = _field(context, self.target_key, i, "target_key")
         return self.target_join.join(map(str, t)) if isinstance(t, (list, tuple)) else str(t)
-
-    def sft_loss(self, contexts: list[dict]) -> torch.Tensor:
-        """Token-mean negative log-likelihood of the target text + EOS after each prompt."""
-        enc = self.encode(contexts)
-        eos = self.tokenizer.eos_token or self.tokenizer.convert_ids_to_tokens(self.eos_token_ids[0])
-        targets = self.tokenizer([self.target_text(c, i) + eos for i, c in enumerate(contexts)],
-                                 return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
-        units, mask = targets.input_ids.to(self.device), targets.attention_mask.bool().to(self.device)
-        logp, _ = self._token_logprobs(self.model, enc, units, False, temperature=1.0)
-        return -torch.where(mask, logp, 0.0).sum() / mask.sum()
 
 
 def _field(context: dict, key: str, i: int, param: str) -> Any:

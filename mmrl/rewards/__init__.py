@@ -70,6 +70,7 @@ def build_reward(name: str, params: dict[str, Any] | None = None) -> Reward:
     """A fresh `Reward` for the registry entry `name` with its config parameters."""
     entry, params = get_reward(name), dict(params or {})
     if isinstance(entry, type) and issubclass(entry, Reward):
+        check_params(entry.__init__, params, f"reward {name!r}", skip=1)
         return entry(**params)
     check_params(entry, params, f"reward {name!r}", skip=2)
     return FunctionReward(entry, **params)
@@ -79,4 +80,6 @@ from mmrl.rewards import text  # noqa: E402,F401  (registers the text rewards)
 from mmrl.rewards import planning_text  # noqa: E402,F401  (registers the VPRL text-mode reward)
 from mmrl.rewards import planning  # noqa: E402,F401  (registers the VPRL visual-mode reward)
 from mmrl.rewards import srpo  # noqa: E402,F401  (registers the robot rewards: success, srpo_progress)
-from mmrl.rewards import caption_qa  # noqa: E402,F401  (registers the CapRL reward)
+from mmrl.rewards.captioning import qa  # noqa: E402,F401  (registers the CapRL reward, caption_qa)
+from mmrl.rewards import vqa  # noqa: E402,F401  (registers the VQA rewards: answer_accuracy, format, iou, length, step_*)
+from mmrl.rewards import calibration  # noqa: E402,F401  (registers vl_calibration, VL-Calibration's decoupled confidence reward)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmrl.config import check_names
+
 # Llama sizes of the tiny demo / test model (overridable through `model.tiny`).
 TINY_LLAMA: dict[str, Any] = {
     "hidden_size": 128,
@@ -70,11 +72,7 @@ class VisualPlannerConfig:
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> VisualPlannerConfig:
         params = dict(params or {})
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in params if k not in names]
-        if unknown:
-            raise ValueError(f"model.params: unknown key {unknown[0]!r} for the visual_planner policy; "
-                             f"valid: {', '.join(names)}")
+        check_names(params, [f.name for f in dataclasses.fields(cls)], "model.params (visual_planner)", kind="key")
         cfg = cls(**params)
         for name in ("codebook_size", "code_dim", "vq_hidden", "vq_batch_size", "vq_layouts", "max_side"):
             if int(getattr(cfg, name)) < 1:

@@ -230,20 +230,19 @@ class VisualPlannerPolicy:
         return units, logp, mask
 
     def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
-               group_offset: int = 0, temperature: float | None = None) -> Rollout:
+               temperature: float | None = None) -> Rollout:
         prompt_ids, prompt_mask, grids = self.prompts([c["frame"] for c in contexts])
         prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
         prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
         grids = grids.repeat_interleave(group_size, 0)
         temp = self.temperature if temperature is None else temperature
         units, logp, mask = self._generate(prompt_ids, prompt_mask, grids, temp, generator)
-        n = len(contexts)
         return Rollout(
-            group_ids=torch.arange(group_offset, group_offset + n, device=self.device).repeat_interleave(group_size),
             units=units,
             logp_old=logp,
             mask=mask,
             truncated=torch.zeros(len(units), dtype=torch.bool, device=self.device),  # a frame is always whole
+            max_units=units.shape[1],  # the largest frame's codes (the canvas's, when frames sit on one)
             contexts=[c for c in contexts for _ in range(group_size)],
             extras={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "grids": grids},
         )
@@ -251,16 +250,17 @@ class VisualPlannerPolicy:
     # ------------------------------------------------------------------ teacher forcing
 
     def _token_logprobs(self, lm: nn.Module, prompt_ids, prompt_mask, units, with_entropy: bool,
-                        temperature: float | None = None):
+                        temperature: float | None = None, window: slice | None = None):
         # The lean decoder for the policy's own LM (the bulk of every GRPO update and SFT step);
         # the frozen reference copy takes the HF forward.
         return completion_logprobs(lm, self._fast, prompt_ids, prompt_mask, units,
                                    temperature=self.temperature if temperature is None else temperature,
-                                   suppress=self._suppress, with_entropy=with_entropy)
+                                   suppress=self._suppress, with_entropy=with_entropy, window=window)
 
-    def logprobs(self, rollout: Rollout, with_entropy: bool = False):
+    def logprobs(self, rollout: Rollout, with_entropy: bool = False, units: slice | None = None):
         e = rollout.extras
-        return self._token_logprobs(self.lm, e["prompt_ids"], e["prompt_mask"], rollout.units, with_entropy)
+        return self._token_logprobs(self.lm, e["prompt_ids"], e["prompt_mask"], rollout.units, with_entropy,
+                                    window=units)
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """A small OpenAI-compatible judge server (stdlib `http.server`) for tests, benchmarks and CPU demos.
 
 It serves `/v1/chat/completions` (one prompt) and `/v1/completions` (a list of prompts), reads
-each prompt back into a `JudgeItem` (the layout of `mmrl.judges.format_prompt`) and answers with
+each prompt back into a `JudgeItem` (the layout of `mmrl.rewards.captioning.judges.format_prompt`) and answers with
 the lexical judge. Failure modes for tests: `delay` seconds before each reply, `behaviour`
 "malformed" (a reply with no option letter), "broken_json" (a body that is not JSON), "flaky"
 (HTTP 503 for the first `flaky_failures` requests).
 
-    python -m mmrl.judge_server --port 8000      # then judge: {name: http, base_url: http://127.0.0.1:8000/v1}
+    python -m mmrl.rewards.captioning.judge_server --port 8000
+    # then in a config: judge: {name: http, base_url: http://127.0.0.1:8000/v1}
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
-from mmrl.judges import JudgeItem, LexicalJudge
+from mmrl.rewards.captioning.judges import JudgeItem, LexicalJudge
 
 BEHAVIOURS = ("lexical", "malformed", "broken_json", "flaky")
 _PROMPT_RE = re.compile(r"^Caption: (?P<caption>.*?)\n\nAnswer the question using only the caption\.\n"

@@ -47,7 +47,7 @@ def default_assets_dir() -> Path:
     """`$MMRL_LIBERO_ASSETS`, else `../shared/libero/assets` relative to the repo root."""
     if os.environ.get(ASSETS_ENV_VAR):
         return Path(os.environ[ASSETS_ENV_VAR])
-    return Path(__file__).resolve().parents[1].parent / "shared" / "libero" / "assets"
+    return Path(__file__).resolve().parents[2].parent / "shared" / "libero" / "assets"
 
 
 def suite_name(suite: str) -> str:

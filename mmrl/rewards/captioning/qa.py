@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.judges import CANNOT_ANSWER, LETTERS, Judge, JudgeItem, JudgeReply, make_judge
 from mmrl.config import check_params
 from mmrl.rewards import Reward, register_reward
+from mmrl.rewards.captioning.judges import CANNOT_ANSWER, LETTERS, Judge, JudgeItem, JudgeReply, make_judge
 
-log = logging.getLogger("mmrl.rewards.caption_qa")
+log = logging.getLogger("mmrl.rewards.captioning.qa")
 
 _JUDGES: dict[str, Judge] = {}
 _TOKENIZERS: dict[str, Any] = {}

@@ -10,7 +10,7 @@ trajectory: `units[n, s*K + k]` is the state x_{k+1} [chunk, max_action_dim] aft
 log-prob teacher-forced (prefix with gradient, all K steps of all chunks in one batched
 `denoise_step`). `temperature=0` (evaluation) samples with the deterministic Euler ODE instead.
 
-Episodes run exactly as for the action-token VLA (`mmrl.policies.action_vla.run_episodes`): G copies
+Episodes run exactly as for the action-token VLA (`mmrl.envs.episodes.run_episodes`): G copies
 of each context's initial state in a vector env, `n_action_steps` actions of each sampled chunk
 executed per `step_chunk`. Observations reach the model through lerobot's own pre-processor
 (tokenise the instruction, normalise the state) and the actions leave through its post-processor
@@ -19,6 +19,9 @@ executed per `step_chunk`. Observations reach the model through lerobot's own pr
 Offline tiny models (tests, CPU demo): `build_tiny_smolvla` writes a tiny SmolVLM folder (config,
 processor config, tokenizer) and builds SmolVLA on it with `load_vlm_weights=False`; given a local
 folder, lerobot makes no network call.
+
+The typed `model.params` (`SmolVLAConfig`) live in `mmrl.policies.vla.configuration`; SFT contexts
+are read by `mmrl.policies.vla.processor.parse_sft_context`, the same reader as the action-token VLA's.
 """
 
 from __future__ import annotations
@@ -33,17 +36,29 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmrl.envs.episodes import VectorEnvFactory, as_numpy, run_episodes, task_env_factory
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
-from mmrl.policies.action_vla import VectorEnvFactory, _image_hwc, _np, run_episodes, task_env_factory
 from mmrl.policies.base import PolicyBase
+from mmrl.policies.vla.configuration import (
+    SMOLVLA_CONFIG_NAME,
+    SMOLVLA_PARAMS,
+    SmolVLAConfig,
+    read_saved_config,
+    resolve_config,
+)
+from mmrl.policies.vla.processor import (
+    acted_chunks,
+    decode_episodes,
+    instruction_corpus,
+    observation_field,
+    observation_images,
+    parse_sft_context,
+)
 from mmrl.rollout import Rollout
 
-CONFIG_NAME = "mmrl_smolvla.json"
-VLM_DIR = "vlm"
+VLM_DIR = "vlm"  # a tiny model's SmolVLM folder, inside the build and checkpoint directories
 SMOLVLM_SPECIAL_TOKENS = {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
                           "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
-POLICY_PARAMS = {"eta", "num_steps", "n_action_steps", "cameras", "max_chunks", "env", "batched_recompute",
-                 "chunk_size", "state_dim", "action_dim", "image_size", "train_expert_only", "dataset_stats"}
 
 
 # ----------------------------------------------------------------------------- tiny offline build
@@ -114,33 +129,54 @@ def build_tiny_smolvla(directory: str | Path, corpus: Sequence[str], *, cameras:
     return policy.to(device), pre, post
 
 
+def load_smolvla(path: str | Path, device: str = "cpu"):
+    """A SmolVLA directory written by lerobot or by `SmolVLAPolicy.save`: (lerobot policy,
+    pre-processor, post-processor) on `device`. A tiny model's SmolVLM folder (`vlm/`) comes along."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy as LeRobotSmolVLA
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a saved SmolVLA directory")
+    cfg = PreTrainedConfig.from_pretrained(path)
+    cfg.device = str(device)
+    overrides: dict[str, Any] = {"device_processor": {"device": str(device)}}
+    if (path / VLM_DIR).is_dir():  # a tiny model carries its VLM folder along
+        cfg.vlm_model_name = str(path / VLM_DIR)
+        overrides["tokenizer_processor"] = {"tokenizer_name": str(path / VLM_DIR)}
+    model = LeRobotSmolVLA.from_pretrained(path, config=cfg).to(device)
+    pre, post = make_pre_post_processors(cfg, pretrained_path=str(path), preprocessor_overrides=overrides)
+    return model, pre, post
+
+
 # ----------------------------------------------------------------------------- the adapter
 
 
 class SmolVLAPolicy(PolicyBase):
-    PARAMS = frozenset(POLICY_PARAMS)
-    """`model` is the lerobot SmolVLAPolicy (the trainable module); `eta` the SDE noise level."""
+    """`model` is the lerobot SmolVLAPolicy (the trainable module); `config` the `model.params`
+    (`SmolVLAConfig`: `eta` is the SDE noise level), keywords given as `params` override its fields."""
 
-    def __init__(self, model: nn.Module, preprocessor, postprocessor, *, eta: float = 0.7, num_steps: int | None = None,
-                 n_action_steps: int | None = None, cameras: Sequence[str] | None = None, max_chunks: int = 64,
-                 env_factory: Callable[[list[dict]], Any] | None = None, batched_recompute: bool = True):
+    PARAMS = SMOLVLA_PARAMS
+
+    def __init__(self, model: nn.Module, preprocessor, postprocessor, config: SmolVLAConfig | None = None, *,
+                 env_factory: Callable[[list[dict]], Any] | None = None, **params):
+        c = self.config = resolve_config(SmolVLAConfig, config, params)
         cfg = model.config
-        if eta <= 0:
-            raise ValueError(f"eta must be > 0 for a stochastic policy with log-probs, got {eta}")
         self.model, self.preprocessor, self.postprocessor = model, preprocessor, postprocessor
-        self.eta = eta
-        self.num_steps = int(num_steps or cfg.num_steps)
-        self.n_action_steps = int(n_action_steps or cfg.n_action_steps)
+        self.eta = c.eta
+        self.num_steps = int(c.num_steps or cfg.num_steps)
+        self.n_action_steps = int(c.n_action_steps or cfg.n_action_steps)
         if not 1 <= self.n_action_steps <= cfg.chunk_size:
             raise ValueError(f"n_action_steps must be in [1, chunk_size={cfg.chunk_size}], got {self.n_action_steps}")
         feature_cams = [k[len("observation.images."):] for k in cfg.image_features]
-        self.cameras = list(cameras) if cameras else feature_cams
-        missing = [c for c in self.cameras if c not in feature_cams]
+        self.cameras = c.cameras or feature_cams
+        missing = [cam for cam in self.cameras if cam not in feature_cams]
         if missing:
             raise ValueError(f"camera(s) {missing} are not image features of this SmolVLA ({feature_cams})")
-        self.max_chunks = max_chunks
+        self.max_chunks = c.max_chunks
         self.env_factory = env_factory
-        self.batched_recompute = batched_recompute
+        self.batched_recompute = c.batched_recompute
         self.timesteps = flow_timesteps(self.num_steps)
         self.reference = None
 
@@ -157,44 +193,29 @@ class SmolVLAPolicy(PolicyBase):
     @classmethod
     def from_config(cls, cfg, task, device="cpu") -> SmolVLAPolicy:
         """`model.source: tiny` builds a tiny SmolVLA offline in `<train.output_dir>/tiny_smolvla`
-        (sizes in `model.params`); `pretrained` loads `model.path` saved by `save` or by lerobot."""
+        (sizes in `model.params`); `pretrained` loads `model.path` saved by `save` (whose settings
+        the params override) or by lerobot."""
         m, params = cfg.model, dict(cfg.model.params)
         cls.check_params(params)
-        env_cfg = params.pop("env", {})
-        env_factory = task_env_factory(task) or VectorEnvFactory(**env_cfg)
-        policy_kw = {k: params.pop(k) for k in ("eta", "num_steps", "n_action_steps", "cameras", "max_chunks",
-                                                "batched_recompute") if k in params}
+        saved = read_saved_config(m.path, SMOLVLA_CONFIG_NAME) if m.source == "pretrained" else {}
+        c = SmolVLAConfig(**{**saved, **params})  # validated once, before a model is built
+        env_factory = task_env_factory(task) or VectorEnvFactory(**c.env)
         dev = str(torch.device(device))
         if m.source == "pretrained":
-            return cls.from_pretrained(m.path, device=dev, env_factory=env_factory, **policy_kw)
-        from mmrl.policies.action_vla import _corpus
-
-        cams = policy_kw.get("cameras") or env_cfg.get("cameras") or ["front"]
-        model, pre, post = build_tiny_smolvla(Path(cfg.train.output_dir) / "tiny_smolvla", _corpus(task, {}),
-                                              cameras=cams, num_steps=policy_kw.get("num_steps", 10),
-                                              n_action_steps=policy_kw.get("n_action_steps"),
-                                              seed=cfg.train.seed, device=dev, **params)
-        return cls(model, pre, post, env_factory=env_factory, **{**policy_kw, "cameras": cams})
+            model, pre, post = load_smolvla(m.path, dev)
+            return cls(model, pre, post, c, env_factory=env_factory)
+        cams = c.cameras or c.env.get("cameras") or ["front"]
+        model, pre, post = build_tiny_smolvla(
+            Path(cfg.train.output_dir) / "tiny_smolvla", instruction_corpus(task), cameras=cams,
+            num_steps=10 if c.num_steps is None else c.num_steps, n_action_steps=c.n_action_steps,
+            seed=cfg.train.seed, device=dev, chunk_size=c.chunk_size, state_dim=c.state_dim, action_dim=c.action_dim,
+            image_size=c.image_size, train_expert_only=c.train_expert_only, dataset_stats=c.dataset_stats)
+        return cls(model, pre, post, c, env_factory=env_factory, cameras=cams)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", **kwargs) -> SmolVLAPolicy:
-        from lerobot.configs.policies import PreTrainedConfig
-        from lerobot.policies.factory import make_pre_post_processors
-        from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy as LeRobotSmolVLA
-
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json: not a saved SmolVLA directory")
-        cfg = PreTrainedConfig.from_pretrained(path)
-        cfg.device = str(device)
-        overrides: dict[str, Any] = {"device_processor": {"device": str(device)}}
-        if (path / VLM_DIR).is_dir():  # a tiny model carries its VLM folder along
-            cfg.vlm_model_name = str(path / VLM_DIR)
-            overrides["tokenizer_processor"] = {"tokenizer_name": str(path / VLM_DIR)}
-        model = LeRobotSmolVLA.from_pretrained(path, config=cfg).to(device)
-        pre, post = make_pre_post_processors(cfg, pretrained_path=str(path), preprocessor_overrides=overrides)
-        saved = json.loads((path / CONFIG_NAME).read_text()) if (path / CONFIG_NAME).is_file() else {}
-        return cls(model, pre, post, **{**saved, **kwargs})
+        model, pre, post = load_smolvla(path, device)
+        return cls(model, pre, post, **{**read_saved_config(path, SMOLVLA_CONFIG_NAME), **kwargs})
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
@@ -204,9 +225,9 @@ class SmolVLAPolicy(PolicyBase):
         vlm = Path(self.model.config.vlm_model_name)
         if vlm.is_dir() and vlm.resolve() != (directory / VLM_DIR).resolve():
             shutil.copytree(vlm, directory / VLM_DIR, dirs_exist_ok=True)
-        (directory / CONFIG_NAME).write_text(json.dumps({"eta": self.eta, "num_steps": self.num_steps,
-                                                         "n_action_steps": self.n_action_steps,
-                                                         "cameras": self.cameras}, indent=2))
+        saved = {"eta": self.eta, "num_steps": self.num_steps, "n_action_steps": self.n_action_steps,
+                 "cameras": self.cameras}
+        (directory / SMOLVLA_CONFIG_NAME).write_text(json.dumps(saved, indent=2))
 
     # ------------------------------------------------------------------ the prefix and the velocity
 
@@ -270,10 +291,9 @@ class SmolVLAPolicy(PolicyBase):
             temperature: float | None = None) -> dict[str, torch.Tensor]:
         """One chunk per row: {"actions" [B, n_action_steps, A], "states" [B, K+1, chunk, A_max],
         "logp" [B, K]}. `observations` has "images" {camera: uint8 [B, H, W, 3]} and "state" [B, D]."""
-        images = observations["images"] if isinstance(observations, dict) else observations.images
-        state = observations["state"] if isinstance(observations, dict) else observations.state
-        arr = np.stack([_np(images[c]) for c in self.cameras], 1).astype(np.uint8, copy=False)
-        return self._act_arrays(arr, _np(state), list(instructions), generator, temperature)
+        arr = observation_images(observations, self.cameras)
+        state = as_numpy(observation_field(observations, "state"))
+        return self._act_arrays(arr, state, list(instructions), generator, temperature)
 
     def _act_arrays(self, images, states, instructions, generator, temperature) -> dict[str, torch.Tensor]:
         was_training = self.model.training
@@ -291,9 +311,9 @@ class SmolVLAPolicy(PolicyBase):
 
     @torch.no_grad()
     def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
-               group_offset: int = 0, temperature: float | None = None) -> Rollout:
+               temperature: float | None = None) -> Rollout:
         """Whole episodes, G per context; `temperature=0` runs the ODE (evaluation)."""
-        G, n, K = group_size, len(contexts), self.num_steps
+        G, K = group_size, self.num_steps
 
         def act(images: np.ndarray, states: np.ndarray, instructions: list[str]):
             out = self._act_arrays(images, states, instructions, generator, temperature)
@@ -314,14 +334,12 @@ class SmolVLAPolicy(PolicyBase):
         extras = ep.extras(dev)
         extras["x_init"] = [torch.stack(x) if x else torch.zeros(0, *self.chunk_shape, device=dev) for x in x_init]
         return Rollout(
-            group_ids=torch.arange(group_offset, group_offset + n, device=dev).repeat_interleave(G),
             units=units.view(N, S * K, *self.chunk_shape), logp_old=logp.view(N, S * K), mask=mask.view(N, S * K),
-            truncated=torch.as_tensor(~ep.done, device=dev), contexts=ep.rows, extras=extras)
+            truncated=torch.as_tensor(~ep.done, device=dev), max_units=self.max_chunks * K, contexts=ep.rows,
+            extras=extras)
 
     def decode(self, rollout: Rollout) -> list[dict[str, Any]]:
-        obs, success, steps = rollout.extras["obs_images"], rollout.extras["success"], rollout.extras["env_steps"]
-        return [{"success": bool(success[i]), "frames": obs[i][:, 0].cpu().numpy(), "length": int(steps[i]),
-                 "instruction": rollout.contexts[i].get("instruction", "")} for i in range(len(rollout))]
+        return decode_episodes(rollout)
 
     # ------------------------------------------------------------------ teacher forcing
 
@@ -331,15 +349,16 @@ class SmolVLAPolicy(PolicyBase):
         sampled-equals-recomputed invariant. The expert is small; it runs in the weights' dtype."""
         return torch.autocast(self.device.type, enabled=False)
 
-    def _rollout_logprobs(self, model: nn.Module, rollout: Rollout) -> torch.Tensor:
+    def _rollout_logprobs(self, model: nn.Module, rollout: Rollout, window: slice | None = None) -> torch.Tensor:
         with self._full_precision():
-            return self._rollout_logprobs_fp(model, rollout)
+            return self._rollout_logprobs_fp(model, rollout, window)
 
-    def _rollout_logprobs_fp(self, model: nn.Module, rollout: Rollout) -> torch.Tensor:
+    def _rollout_logprobs_fp(self, model: nn.Module, rollout: Rollout, window: slice | None) -> torch.Tensor:
+        """[N, T] log-probs of the denoising steps `window` (default: all): the prefix and the K
+        steps of each episode chunk the window touches (a window of whole chunks costs nothing extra)."""
         N, K = len(rollout), self.num_steps
         S = rollout.units.shape[1] // K
-        acted = rollout.mask.view(N, S, K).any(-1)
-        rows, steps = acted.nonzero(as_tuple=True)
+        rows, steps, start, stop = acted_chunks(rollout.mask, K, window)
         out = torch.zeros(N, S, K, device=self.device)
         if len(rows):
             r, s = rows.tolist(), steps.tolist()
@@ -350,7 +369,7 @@ class SmolVLAPolicy(PolicyBase):
             states = torch.cat([x0[:, None], rollout.units.view(N, S, K, *self.chunk_shape)[rows, steps]], 1)
             pad, cache = self._prefix(model, self._batch(imgs, sts, instr))
             out = out.index_put((rows, steps), self._step_logprobs(model, pad, cache, states))
-        return torch.where(rollout.mask, out.view(N, S * K), 0.0)
+        return torch.where(rollout.mask[:, start:stop], out.view(N, S * K)[:, start:stop], 0.0)
 
     def _step_logprobs(self, model: nn.Module, pad: torch.Tensor, cache, states: torch.Tensor) -> torch.Tensor:
         """[M, K] log-probs of the transitions in `states` [M, K+1, ...] given each row's prefix."""
@@ -372,8 +391,9 @@ class SmolVLAPolicy(PolicyBase):
             out.append(gaussian_logprob(states[:, k + 1], mean, std))
         return torch.stack(out, 1)
 
-    def logprobs(self, rollout: Rollout, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logp = self._rollout_logprobs(self.model, rollout)
+    def logprobs(self, rollout: Rollout, with_entropy: bool = False,
+                 units: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logp = self._rollout_logprobs(self.model, rollout, window=units)
         # A Gaussian step's entropy does not depend on the policy's mean: report zeros (logged only).
         return logp, (torch.zeros_like(logp) if with_entropy else None)
 
@@ -385,26 +405,13 @@ class SmolVLAPolicy(PolicyBase):
     # ------------------------------------------------------------------ SFT
 
     def sft_loss(self, contexts: list[dict]) -> torch.Tensor:
-        """lerobot's flow-matching loss on expert chunks. Contexts hold "images" {camera: HxWx3} (or
-        lerobot's "observation.images.<camera>"), "state" (or "observation.state"), "instruction",
-        "actions" [chunk, A] (or "action") and optionally "action_is_pad" [chunk]."""
-        chunk = self.model.config.chunk_size
-        images, states, instr, acts, pads = [], [], [], [], []
-        for i, c in enumerate(contexts):
-            if "images" in c:
-                imgs = [_np(c["images"][cam]) for cam in self.cameras]
-            else:
-                imgs = [_image_hwc(c[f"observation.images.{cam}"]) for cam in self.cameras]
-            images.append(np.stack(imgs))
-            states.append(_np(c.get("state", c.get("observation.state"))).astype(np.float32))
-            instr.append(str(c.get("instruction", c.get("prompt", ""))))
-            a = torch.as_tensor(_np(c.get("actions", c.get("action"))), dtype=torch.float32).reshape(-1, self.action_dim)
-            pad = torch.as_tensor(_np(c["action_is_pad"]), dtype=torch.bool) if "action_is_pad" in c \
-                else torch.zeros(len(a), dtype=torch.bool)
-            extra = max(0, chunk - len(a))
-            acts.append(torch.cat([a, a[-1:].expand(extra, -1)])[:chunk])
-            pads.append(torch.cat([pad, torch.ones(extra, dtype=torch.bool)])[:chunk])
-        batch = self._batch(np.stack(images), np.stack(states), instr, actions=torch.stack(acts))
-        batch["action_is_pad"] = torch.stack(pads).to(self.device)
+        """lerobot's flow-matching loss on expert chunks. Contexts hold images, "state" (or
+        "observation.state"), the instruction (default "") and the expert chunk [chunk, A]
+        (`parse_sft_context` lists the keys)."""
+        ex = [parse_sft_context(c, i, self.cameras, self.action_dim, self.model.config.chunk_size,
+                                default_instruction="", need_state=True) for i, c in enumerate(contexts)]
+        batch = self._batch(np.stack([np.stack(e.images) for e in ex]), np.stack([e.state for e in ex]),
+                            [e.instruction for e in ex], actions=torch.stack([e.actions for e in ex]))
+        batch["action_is_pad"] = ~torch.stack([e.valid for e in ex]).to(self.device)
         loss, _ = self.model.forward(batch)
         return loss

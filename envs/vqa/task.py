@@ -1,0 +1,272 @@
+"""Task `vqa`: image question answering with verifiable answers (the R1-V / EasyR1 workflow).
+
+A record (see `mmrl.envs.vqa.records`) is one or several images, a `problem` with `<image>`
+placeholders, an `answer`, and optionally `options`, `category`, `difficulty`, `key_steps`,
+`bbox`. The task turns each into a context: the record plus `prompt` (the problem in a template
+that asks for reasoning and a final answer in `<think>...</think><answer>...</answer>` or
+`\\boxed{...}`) and `target` (the SFT reply built from the record's `solution`, when it has one).
+
+Sources: `synthetic` (the procedural set of `mmrl.envs.vqa.synthetic`: train and test disjoint,
+and a harder level held out as `ood`), or `files` (`data_path` / `eval_path`: a local folder,
+parquet, JSON or JSONL read through `datasets`, with a `column_map` for other layouts), with
+`benchmark` naming a known evaluation layout (MathVista, MathVerse, Geometry3K, CLEVR-count).
+
+`evaluate` adds what the mean reward does not say: accuracy per category and difficulty, format
+rate, reply length, mean@k and pass@k at the sampling temperature, the held-out harder level, the
+same questions with the image blanked (accuracy must fall toward chance: the model looks), and the
+expected calibration error when replies state a confidence.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.envs import TaskBase, register_task
+
+SOURCES = ("synthetic", "files")
+ANSWER_STYLES = ("tag", "boxed")
+PROMPTS = {
+    "tag": "{problem}\nThink step by step inside <think> </think>, then give the final answer inside "
+           "<answer> </answer>.",
+    "boxed": "{problem}\nThink step by step inside <think> </think>, then put the final answer in \\boxed{{}}.",
+}
+_CONFIDENCE = re.compile(r"<confidence>\s*([0-9]*\.?[0-9]+)\s*(%?)\s*</confidence>", re.IGNORECASE)
+
+
+def stated_confidence(reply: str) -> float | None:
+    """The confidence a reply states in `<confidence>0.8</confidence>` (or `80%`), in [0, 1]; else None."""
+    m = _CONFIDENCE.search(reply)
+    if m is None:
+        return None
+    value = float(m.group(1)) / (100.0 if m.group(2) or float(m.group(1)) > 1 else 1.0)
+    return min(max(value, 0.0), 1.0)
+
+
+def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = 10) -> float:
+    """ECE: the |accuracy - confidence| gap of equal-width confidence bins, weighted by their size."""
+    if len(confidence) == 0:
+        return float("nan")
+    which = np.minimum((confidence * bins).astype(int), bins - 1)
+    gap = 0.0
+    for b in np.unique(which):
+        sel = which == b
+        gap += sel.mean() * abs(correct[sel].mean() - confidence[sel].mean())
+    return float(gap)
+
+
+def blank_images(context: dict[str, Any]) -> dict[str, Any]:
+    """The context with every image replaced by a mid-grey one of the same size."""
+    def blank(img):
+        arr = np.asarray(img if not isinstance(img, (str, Path)) else _open(img))
+        return np.full_like(arr, 128)
+
+    return {**context, "images": [blank(x) for x in context["images"]]}
+
+
+def _open(path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+@register_task("vqa")
+class VQATask(TaskBase):
+    def __init__(self, seed: int = 0, source: str = "synthetic", data_seed: int = 0,
+                 categories: list[str] | tuple[str, ...] | None = None, difficulties: list[int] | tuple[int, ...] = (1, 2),
+                 ood_difficulty: int | None = 3, n_train: int = 2000, n_test: int = 200, n_ood: int = 100,
+                 image_size: int = 112, data_path: str | None = None, eval_path: str | None = None,
+                 column_map: dict[str, str] | None = None, image_root: str | None = None,
+                 benchmark: str | None = None, answer_style: str = "tag", prompt_template: str | None = None,
+                 min_pixels: int | None = None, max_pixels: int | None = None, eval_k: int = 4,
+                 blank_eval: bool = True):
+        if source not in SOURCES:
+            raise ValueError(f"task.params.source: invalid value {source!r}; valid: {', '.join(SOURCES)}")
+        if answer_style not in ANSWER_STYLES:
+            raise ValueError(f"task.params.answer_style: invalid value {answer_style!r}; valid: {', '.join(ANSWER_STYLES)}")
+        if eval_k < 0:
+            raise ValueError(f"task.params.eval_k must be >= 0 (0 = no sampled evaluation), got {eval_k}")
+        self.seed, self.answer_style, self.eval_k, self.blank_eval = int(seed), answer_style, int(eval_k), blank_eval
+        self.prompt_template = prompt_template or PROMPTS[answer_style]
+        if "{problem}" not in self.prompt_template:
+            raise ValueError(f"task.params.prompt_template must contain {{problem}}, got {self.prompt_template!r}")
+        self.pixels = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        if source == "synthetic":
+            from mmrl.envs.vqa.synthetic import CATEGORIES, make_splits
+
+            splits = make_splits(data_seed, n_train, n_test, n_ood if ood_difficulty else 0,
+                                 categories=tuple(categories or CATEGORIES), train_difficulties=tuple(difficulties),
+                                 ood_difficulty=ood_difficulty or max(difficulties) + 1, image_size=image_size)
+            train, test, ood = splits["train"], splits["test"], splits["ood"] if ood_difficulty else []
+        else:
+            train, test, ood = self._file_splits(data_path, eval_path, column_map, image_root, benchmark, n_test)
+        if not train and source == "synthetic":
+            raise ValueError("task.params.n_train must be >= 1")
+        self.train = [self.context(r) for r in train]
+        self.test = [self.context(r) for r in test]
+        self.ood = [self.context(r) for r in ood]
+        self.cursor = 0
+
+    @staticmethod
+    def _file_splits(data_path, eval_path, column_map, image_root, benchmark, n_test):
+        from mmrl.envs.vqa.benchmarks import load_benchmark
+        from mmrl.envs.vqa.records import load_records
+
+        if data_path is None and eval_path is None:
+            raise ValueError("task.params.source 'files' needs data_path (training records) and/or eval_path")
+        train = load_records(data_path, column_map=column_map, image_root=image_root) if data_path else []
+        if eval_path is None:  # hold out the last n_test training records
+            if len(train) <= n_test:
+                raise ValueError(f"task.params.data_path has {len(train)} records: too few to hold out n_test={n_test}; "
+                                 "give eval_path or a smaller n_test")
+            return train[:-n_test], train[-n_test:], []
+        test = (load_benchmark(benchmark, eval_path) if benchmark else
+                load_records(eval_path, column_map=column_map, image_root=image_root))
+        return train, test, []
+
+    # ------------------------------------------------------------------ contexts
+
+    def _images(self, images: list) -> list:
+        if not self.pixels:
+            return list(images)
+        from PIL import Image
+        from qwen_vl_utils import fetch_image
+
+        out = []
+        for img in images:
+            pil = Image.fromarray(img) if isinstance(img, np.ndarray) else str(img)
+            out.append(np.asarray(fetch_image({"image": pil, **self.pixels}).convert("RGB")))
+        return out
+
+    def context(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A record as the policy and the rewards read it: `prompt`, `images`, and `target` (SFT)."""
+        problem = record["problem"]
+        options = record.get("options")
+        if options and not re.search(r"(^|\n)\s*A[.)]", problem):  # options not yet listed in the problem
+            problem += "".join(f"\n{chr(65 + i)}. {o}" for i, o in enumerate(options))
+        ctx = {**record, "images": self._images(record["images"]), "prompt": self.prompt_template.format(problem=problem)}
+        if record.get("solution"):
+            final = (f"<answer>{record['answer']}</answer>" if self.answer_style == "tag"
+                     else f"\\boxed{{{record['answer']}}}")
+            ctx["target"] = f"<think>{record['solution']}</think>{final}"
+        return ctx
+
+    def next_batch(self, n: int) -> list[dict]:
+        """The training stream: a seeded permutation per epoch, so the cursor alone fixes it (exact resume)."""
+        out = []
+        for pos in range(self.cursor, self.cursor + n):
+            epoch, k = divmod(pos, len(self.train))
+            order = np.random.default_rng([self.seed, 23, epoch]).permutation(len(self.train))
+            out.append(self.train[int(order[k])])
+        self.cursor += n
+        return out
+
+    def eval_batch(self, n: int) -> list[dict]:
+        return self.test[: min(n, len(self.test))]
+
+    def sft_batch(self, n: int, rng: np.random.Generator) -> list[dict]:
+        have = [c for c in self.train if "target" in c]
+        if not have:
+            raise ValueError("SFT needs records with a 'solution' (the reasoning to imitate); these records have none")
+        return [have[int(i)] for i in rng.integers(0, len(have), n)]
+
+    def corpus(self) -> list[str]:
+        contexts = self.train[:3000] + self.test + self.ood
+        return [c["prompt"] + " " + c.get("target", c["answer"]) for c in contexts]
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = int(state["cursor"])
+
+    # ------------------------------------------------------------------ evaluation
+
+    def score(self, contexts: list[dict], replies: list[str]) -> dict[str, np.ndarray]:
+        """Per reply: correct (0/1), format kept (0/1), length (characters), stated confidence (nan if none)."""
+        from mmrl.rewards.vqa import AnswerAccuracy, Format
+
+        answer_format = "tag" if self.answer_style == "tag" else "boxed"
+        correct = AnswerAccuracy(answer_format=answer_format)(contexts, replies).numpy()
+        style = "think_answer" if self.answer_style == "tag" else "boxed"
+        kept = Format(style=style)(contexts, replies).numpy()
+        conf = np.array([np.nan if (c := stated_confidence(r)) is None else c for r in replies])
+        return {"correct": correct, "format": kept, "chars": np.array([len(r) for r in replies], float),
+                "confidence": conf}
+
+    def replies(self, policy, contexts: list[dict], k: int = 1, temperature: float | None = None,
+                seed: int = 12345) -> list[str]:
+        """k replies per context (rows context-major), greedy when temperature is 0."""
+        if not contexts:
+            return []
+        gen = torch.Generator(device=policy.device).manual_seed(seed)
+        out: list[str] = []
+        for lo in range(0, len(contexts), 32):  # bounded batches: vision prefill memory grows with the batch
+            rollout = policy.sample(contexts[lo:lo + 32], k, generator=gen, temperature=temperature)
+            out += policy.decode(rollout)
+        return out
+
+    def evaluate(self, policy, n: int) -> dict[str, float]:
+        contexts = self.eval_batch(n)
+        greedy = self.score(contexts, self.replies(policy, contexts, temperature=0.0))
+        out = {"accuracy": float(greedy["correct"].mean()), "format_rate": float(greedy["format"].mean()),
+               "reply_chars": float(greedy["chars"].mean())}
+        out.update(breakdown(contexts, greedy["correct"]))
+        stated = ~np.isnan(greedy["confidence"])
+        if stated.any():
+            out["ece"] = expected_calibration_error(greedy["confidence"][stated], greedy["correct"][stated])
+            out["confidence_rate"] = float(stated.mean())
+        if self.blank_eval:
+            blanked = [blank_images(c) for c in contexts]
+            out["blank_accuracy"] = float(self.score(blanked, self.replies(policy, blanked, temperature=0.0))["correct"].mean())
+            out["chance_accuracy"] = chance_accuracy(contexts, self.train)
+        if self.ood:
+            ood = self.ood[:n]
+            out["ood_accuracy"] = float(self.score(ood, self.replies(policy, ood, temperature=0.0))["correct"].mean())
+        if self.eval_k > 0:
+            k = self.eval_k
+            sampled = self.score([c for c in contexts for _ in range(k)],
+                                 self.replies(policy, contexts, k=k))["correct"].reshape(len(contexts), k)
+            out[f"mean@{k}"] = float(sampled.mean())
+            out[f"pass@{k}"] = float(sampled.max(1).mean())
+        return out
+
+    def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None):
+        """`mmrl eval`: the accuracy report of `checkpoint` (JSON + Markdown, the accuracy-by-step
+        plot, an HTML page of sample replies with their images)."""
+        from mmrl.evals.vqa_eval import report_checkpoint
+
+        return report_checkpoint(cfg, self, policy, checkpoint, out=output, splits=splits)
+
+
+def breakdown(contexts: list[dict], correct: np.ndarray) -> dict[str, float]:
+    """Accuracy per category and per difficulty (keys `acc/<category>`, `acc/L<difficulty>`)."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for c, ok in zip(contexts, correct):
+        if c.get("category"):
+            groups[f"acc/{c['category']}"].append(float(ok))
+        if c.get("difficulty") is not None:
+            groups[f"acc/L{c['difficulty']}"].append(float(ok))
+    return {k: float(np.mean(v)) for k, v in sorted(groups.items())}
+
+
+def chance_accuracy(contexts: list[dict], train: list[dict]) -> float:
+    """What answering without the image earns at best from the question alone: the most frequent
+    training answer of the same question text (1 / options for unseen multiple-choice questions)."""
+    answers: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for c in train:
+        answers[c["problem"]][str(c["answer"])] += 1
+    hits = []
+    for c in contexts:
+        seen = answers.get(c["problem"])
+        if seen:
+            hits.append(float(max(seen, key=seen.get) == str(c["answer"])))
+        else:
+            hits.append(1.0 / len(c["options"]) if c.get("options") else 0.0)
+    return float(np.mean(hits)) if hits else float("nan")

@@ -1,0 +1,136 @@
+"""Typed `model.params` of the VLA policies (lerobot-style: configuration apart from modeling).
+
+One dataclass per backbone. Its fields are exactly the `model.params` keys the adapter reads, with
+the policy's defaults, so the adapter's `PARAMS` (the keys `PolicyBase.check_params` accepts at
+config load) derive from them. `__post_init__` checks the values and names the bad key.
+
+A checkpoint written by a policy's `save` carries its settings in a JSON file next to the weights
+(`ACTION_VLA_CONFIG_NAME`, `SMOLVLA_CONFIG_NAME`); `from_config` lays the run's params over them:
+`Config(**{**read_saved_config(path, name), **params})`.
+
+No torch or transformers import here: configs load and validate cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+ACTION_TOKEN_MODES = ("special", "vocab_tail")
+DEFAULT_PROMPT = "What action should the robot take to {instruction}?"
+# Saved-config file names inside a checkpoint directory (unchanged, so old checkpoints load).
+ACTION_VLA_CONFIG_NAME = "action_vla.json"
+SMOLVLA_CONFIG_NAME = "mmrl_smolvla.json"
+
+C = TypeVar("C")
+
+
+def _at_least(cfg: Any, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def _camera_list(cameras: Any) -> list[str] | None:
+    if isinstance(cameras, str):
+        raise ValueError(f"cameras must be a list of camera names, got {cameras!r}")
+    return [str(c) for c in cameras] if cameras else None
+
+
+def param_names(cls: type) -> frozenset[str]:
+    """The `model.params` keys of a config dataclass: its field names."""
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def resolve_config(cls: type[C], config: C | None, params: dict[str, Any]) -> C:
+    """`config` (default: `cls()`) with `params` laid over it, validated once."""
+    if config is None:
+        return cls(**params)
+    return dataclasses.replace(config, **params) if params else config
+
+
+def read_saved_config(directory: str | Path, name: str) -> dict[str, Any]:
+    """The settings a policy's `save` wrote to `directory / name` ({} when there are none)."""
+    path = Path(directory) / name
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@dataclass
+class ActionTokenVLAConfig:
+    """`model.params` of `action_vla` (`ActionTokenVLAPolicy`)."""
+
+    action_dim: int = 7
+    chunk_size: int = 8  # K actions per chunk: K * action_dim tokens
+    n_bins: int = 256
+    action_low: float | list[float] = -1.0  # per dim or one for all (e.g. dataset statistics)
+    action_high: float | list[float] = 1.0
+    action_tokens: str = "special"  # one of ACTION_TOKEN_MODES
+    cameras: list[str] | None = None  # None: every camera the observation has
+    prompt_template: str = DEFAULT_PROMPT  # must contain {instruction}
+    max_chunks: int = 64
+    system_prompt: str | None = None
+    min_image_tokens: int | None = None  # None: the processor's own (a tiny build uses 4 and 16)
+    max_image_tokens: int | None = None
+    # read by `from_config` only
+    arch: str = "qwen2_5_vl"  # the tiny backbone (model.source: tiny)
+    freeze_vision: bool = False
+    env: dict[str, Any] = field(default_factory=dict)  # VectorEnvFactory kwargs when the task has no env
+
+    def __post_init__(self) -> None:
+        if self.action_tokens not in ACTION_TOKEN_MODES:
+            raise ValueError(f"unknown action_tokens {self.action_tokens!r}; valid: {', '.join(ACTION_TOKEN_MODES)}")
+        _at_least(self, 1, "action_dim", "chunk_size", "max_chunks")
+        _at_least(self, 2, "n_bins")
+        if "{instruction}" not in self.prompt_template:
+            raise ValueError(f"prompt_template must contain {{instruction}}, got {self.prompt_template!r}")
+        self.cameras = _camera_list(self.cameras)
+
+
+@dataclass
+class SmolVLAConfig:
+    """`model.params` of `smolvla` (`SmolVLAPolicy`). The sizes only shape a `model.source: tiny`
+    build; a pretrained directory carries its own."""
+
+    eta: float = 0.7  # SDE noise level of the Flow-GRPO steps (> 0)
+    num_steps: int | None = None  # denoising steps; None: the model's (10 for a tiny build)
+    n_action_steps: int | None = None  # actions executed per chunk; None: the model's
+    cameras: list[str] | None = None  # None: the model's image features (a tiny build: env cameras or front)
+    max_chunks: int = 64
+    batched_recompute: bool = True  # one denoise_step over all steps of all chunks when recomputing
+    # read by `from_config` only
+    chunk_size: int = 8
+    state_dim: int = 8
+    action_dim: int = 7
+    image_size: int = 64
+    train_expert_only: bool = True
+    dataset_stats: dict[str, dict[str, Any]] | None = None
+    env: dict[str, Any] = field(default_factory=dict)  # VectorEnvFactory kwargs when the task has no env
+
+    def __post_init__(self) -> None:
+        if self.eta <= 0:
+            raise ValueError(f"eta must be > 0 for a stochastic policy with log-probs, got {self.eta}")
+        _at_least(self, 1, "num_steps", "n_action_steps", "max_chunks", "chunk_size", "state_dim", "action_dim",
+                  "image_size")
+        self.cameras = _camera_list(self.cameras)
+
+
+ACTION_VLA_PARAMS = param_names(ActionTokenVLAConfig)
+SMOLVLA_PARAMS = param_names(SmolVLAConfig)
+
+__all__ = [
+    "ACTION_TOKEN_MODES",
+    "ACTION_VLA_CONFIG_NAME",
+    "ACTION_VLA_PARAMS",
+    "DEFAULT_PROMPT",
+    "SMOLVLA_CONFIG_NAME",
+    "SMOLVLA_PARAMS",
+    "ActionTokenVLAConfig",
+    "SmolVLAConfig",
+    "param_names",
+    "read_saved_config",
+    "resolve_config",
+]

@@ -1,0 +1,341 @@
+"""An action-token VLA (OpenVLA / OpenVLA-OFT style) on a Qwen-VL backbone, trained with
+trajectory-level GRPO (SimpleVLA-RL, SRPO).
+
+Actions: each of the A dims is cut into `n_bins` (256) uniform bins over [low, high] (per dim, e.g.
+dataset statistics) and each bin is one reserved token id, so an action chunk of K steps is K*A
+tokens decoded autoregressively. The reserved ids are either added special tokens `<act_0>` ...
+(`action_tokens="special"`, what the tiny models use) or the last `n_bins` rows of the output
+embedding (`"vocab_tail"`, OpenVLA's choice; on Qwen checkpoints these are padded rows no text
+token uses). Sampling and training both take the softmax over the action ids only (logits / T), so
+the sampler's log-probs are exactly the teacher-forced ones. A sampled token maps back to its bin
+centre.
+
+Trajectory-level GRPO: `sample(contexts, G)` runs whole episodes. A context is a task initial state:
+
+    {"task": "push", "init_state_id": 3, ...}                 (MuJoCo tabletop, mmrl.envs.tabletop)
+    {"suite": "libero_spatial", "task_id": 0, "init_state_id": 3}                  (LIBERO)
+
+optionally with "seed". G copies of each go into a vector env (mmrl.envs.vector), and the loop
+observation -> `act` -> `step_chunk` runs until every env is done or `max_chunks` is hit. The
+Rollout's units are all action tokens of a trajectory ([N, chunks*K*A]); the mask covers the
+chunks that were executed (tokens of sub-steps after the episode ended inside a chunk are
+masked); `extras["obs_images"]` keeps, per trajectory, the uint8 camera images at every decision
+step plus the final one ([chunks+1, cameras, H, W, 3]), from which `logprobs` re-encodes each
+chunk's prompt and recomputes every chunk's token log-probs in one batched forward. `decode` gives
+{"success", "frames" (first camera), "length" (env steps), "instruction"} per trajectory, what the
+`success` and `srpo_progress` rewards read.
+
+SFT contexts (`sft_loss`) hold the observation images, the language task and the expert chunk
+[K, A], read by `mmrl.policies.vla.processor.parse_sft_context` (the keys are listed there). The
+bins, the `<act_i>` tokens and the context parsing live in `processor`, the typed `model.params`
+(`ActionTokenVLAConfig`) in `configuration`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmrl.envs.episodes import VectorEnvFactory, run_episodes, task_env_factory
+from mmrl.policies.base import apply_lora
+from mmrl.policies.qwen_vl import (
+    QwenVLPolicy,
+    VLStepper,
+    _rope_owner,
+    rope_positions,
+    vision_inputs,
+)
+from mmrl.policies.vla.configuration import (
+    ACTION_VLA_CONFIG_NAME,
+    ACTION_VLA_PARAMS,
+    ActionTokenVLAConfig,
+    read_saved_config,
+    resolve_config,
+)
+from mmrl.policies.vla.processor import (
+    ActionBins,
+    acted_chunks,
+    action_token_names,
+    add_action_tokens,
+    decode_episodes,
+    instruction_corpus,
+    observation_images,
+    parse_sft_context,
+)
+from mmrl.rollout import Rollout, token_logprobs
+
+
+@dataclass
+class ActOutput:
+    actions: torch.Tensor  # float [B, K, A], bin centres
+    tokens: torch.Tensor  # long [B, K*A], absolute token ids
+    logp: torch.Tensor  # float [B, K*A], log-probs under softmax over the action ids of logits / T
+
+
+# ----------------------------------------------------------------------------- the policy
+
+
+class ActionTokenVLAPolicy(QwenVLPolicy):
+    """`config` holds the `model.params` (`ActionTokenVLAConfig`); keywords given as `params`
+    override its fields (or build it alone)."""
+
+    PARAMS = ACTION_VLA_PARAMS
+
+    def __init__(self, model: nn.Module, processor, config: ActionTokenVLAConfig | None = None, *,
+                 temperature: float = 1.0, env_factory: Callable[[list[dict]], Any] | None = None, **params):
+        c = self.config = resolve_config(ActionTokenVLAConfig, config, params)
+        super().__init__(model, processor, temperature=temperature, max_new_tokens=c.chunk_size * c.action_dim,
+                         system_prompt=c.system_prompt, min_image_tokens=c.min_image_tokens,
+                         max_image_tokens=c.max_image_tokens)
+        self.action_dim, self.chunk_size, self.n_bins = c.action_dim, c.chunk_size, c.n_bins
+        self.bins = ActionBins(c.action_low, c.action_high, c.n_bins, c.action_dim)
+        self.action_tokens = c.action_tokens
+        self.token_start = self._action_token_start()
+        self.cameras = c.cameras
+        self.prompt_template = c.prompt_template
+        self.max_chunks = c.max_chunks
+        self.env_factory = env_factory
+
+    def _action_token_start(self) -> int:
+        n_rows = self.model.get_output_embeddings().weight.shape[0]
+        if self.action_tokens == "vocab_tail":
+            if n_rows < self.n_bins:
+                raise ValueError(f"vocab_tail needs >= {self.n_bins} vocabulary rows, the model has {n_rows}")
+            return n_rows - self.n_bins
+        vocab = self.tokenizer.get_vocab()
+        names = action_token_names(self.n_bins)
+        missing = [t for t in names if t not in vocab]
+        if missing:
+            raise ValueError(f"the tokenizer lacks {len(missing)} action tokens (e.g. {missing[0]}); call "
+                             "add_action_tokens(tokenizer) and resize the model's embeddings, or use "
+                             "action_tokens='vocab_tail'")
+        ids = [vocab[t] for t in names]
+        if ids != list(range(ids[0], ids[0] + self.n_bins)) or ids[-1] >= n_rows:
+            raise ValueError(f"action tokens must have contiguous ids inside the model's {n_rows} rows; "
+                             f"got {ids[0]}..{ids[-1]}")
+        return ids[0]
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.chunk_size * self.action_dim
+
+    def tokens_to_actions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Absolute token ids [B, K*A] -> continuous actions [B, K, A] (bin centres)."""
+        bins = (tokens - self.token_start).view(tokens.shape[0], self.chunk_size, self.action_dim)
+        return self.bins.to_actions(bins)
+
+    def actions_to_tokens(self, actions: torch.Tensor) -> torch.Tensor:
+        """Continuous [B, K, A] -> absolute token ids [B, K*A]."""
+        return (self.bins.to_bins(actions) + self.token_start).flatten(1)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, cfg, task, device="cpu") -> ActionTokenVLAPolicy:
+        """`model.source: tiny` builds a tiny Qwen-VL (`model.params.arch`, sizes in `model.tiny`) with
+        a local tokenizer plus `<act_i>` tokens; `pretrained` loads `model.path` (a directory saved by
+        `save`, whose settings the params override, or a plain Qwen-VL checkpoint with
+        `action_tokens: vocab_tail`). The env comes from the task when it has one
+        (`task_env_factory`), else from `model.params.env` (VectorEnvFactory kwargs)."""
+        m, params = cfg.model, dict(cfg.model.params)
+        cls.check_params(params)
+        saved = read_saved_config(m.path, ACTION_VLA_CONFIG_NAME) if m.source == "pretrained" else {}
+        c = ActionTokenVLAConfig(**{**saved, **params})  # validated once, before a model is built
+        dtype = getattr(torch, m.dtype)
+        if m.source == "pretrained":
+            model, processor = cls.load_pretrained(m.path, dtype)
+        else:
+            from mmrl.tiny import build_qwen_vl_processor, build_tiny_qwen_vl, build_tokenizer
+
+            corpus = instruction_corpus(task, c.prompt_template)
+            tokenizer = add_action_tokens(build_tokenizer(corpus, vocab_size=m.tokenizer_vocab_size), c.n_bins)
+            min_tokens = 4 if c.min_image_tokens is None else c.min_image_tokens
+            max_tokens = 16 if c.max_image_tokens is None else c.max_image_tokens
+            processor = build_qwen_vl_processor(tokenizer, c.arch, min_tokens, max_tokens)
+            model = build_tiny_qwen_vl(tokenizer, c.arch, seed=cfg.train.seed, **m.tiny).to(dtype)
+        if c.freeze_vision:
+            _rope_owner(model).visual.requires_grad_(False)
+        model = apply_lora(model, m).to(device)
+        env_factory = task_env_factory(task) or VectorEnvFactory(**c.env)
+        return cls(model, processor, c, temperature=cfg.sampling.temperature, env_factory=env_factory)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device="cpu", dtype: torch.dtype = torch.float32,
+                        **kwargs) -> ActionTokenVLAPolicy:
+        model, processor = cls.load_pretrained(path, dtype)
+        return cls(model.to(device), processor, **{**read_saved_config(path, ACTION_VLA_CONFIG_NAME), **kwargs})
+
+    def save(self, directory: str | Path) -> None:
+        super().save(directory)
+        cfg = {"action_dim": self.action_dim, "chunk_size": self.chunk_size, "n_bins": self.n_bins,
+               "action_low": self.bins.low.tolist(), "action_high": self.bins.high.tolist(),
+               "action_tokens": self.action_tokens, "cameras": self.cameras, "prompt_template": self.prompt_template}
+        (Path(directory) / ACTION_VLA_CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
+
+    # ------------------------------------------------------------------ observations -> prompts
+
+    def _prompt(self, instruction: str) -> str:
+        return self.prompt_template.format(instruction=instruction)
+
+    def _vl_contexts(self, images: list[list[np.ndarray]], instructions: Sequence[str]) -> list[dict]:
+        return [{"frame": list(imgs), "prompt": self._prompt(str(ins))} for imgs, ins in zip(images, instructions)]
+
+    # ------------------------------------------------------------------ acting
+
+    @torch.no_grad()
+    def act(self, observations: dict | Any, instructions: Sequence[str], generator: torch.Generator | None = None,
+            temperature: float | None = None) -> ActOutput:
+        """One action chunk per row. `observations` holds "images" {camera: uint8 [B, H, W, 3]} (a
+        dict, or an object with an `images` attribute such as the vector env's ObsBatch)."""
+        arr = observation_images(observations, self.cameras)
+        if len(arr) != len(instructions):
+            raise ValueError(f"{len(arr)} observations but {len(instructions)} instructions")
+        return self._act_images(arr, instructions, generator, temperature)
+
+    def _act_images(self, images: np.ndarray, instructions: Sequence[str], generator, temperature) -> ActOutput:
+        temperature = self.temperature if temperature is None else temperature
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        enc = self.encode(self._vl_contexts(list(images), instructions))
+        stepper = VLStepper(self.model, enc["mm_token_type_ids"], vision_inputs(enc["pixel_values"],
+                                                                                enc["image_grid_thw"]), 1)
+        was_training = self.model.training
+        self.model.eval()
+        # Inference mode costs less per op than no_grad; the outputs are cloned out of it below.
+        try:
+            with torch.inference_mode():
+                tokens_t, logp_t = self._decode_chunk(stepper, enc, temperature, generator)
+        finally:
+            self.model.train(was_training)
+        tokens_t, logp_t = tokens_t.clone(), logp_t.clone()
+        return ActOutput(actions=self.tokens_to_actions(tokens_t), tokens=tokens_t, logp=logp_t)
+
+    def _decode_chunk(self, stepper: VLStepper, enc: dict[str, Any], temperature: float,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K*A action tokens with a KV cache, drawn from softmax(logits / T) over the action ids only."""
+        lo, L = self.token_start, self.tokens_per_chunk
+        logits = stepper.prefill(enc["prompt_ids"], enc["prompt_mask"])
+        tokens, logps = [], []
+        for j in range(L):
+            z = logits[:, lo:lo + self.n_bins]
+            if temperature == 0:
+                drawn = z.argmax(-1)
+                logp_all = z.log_softmax(-1)
+            else:
+                logp_all = (z / temperature).log_softmax(-1) if temperature != 1.0 else z.log_softmax(-1)
+                drawn = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)
+            tokens.append(drawn + lo)
+            logps.append(logp_all.gather(-1, drawn[:, None]).squeeze(-1))
+            if j < L - 1:
+                logits = stepper.step(tokens[-1])
+        return torch.stack(tokens, 1), torch.stack(logps, 1)
+
+    # ------------------------------------------------------------------ teacher forcing
+
+    def _chunk_logprobs(self, model: nn.Module, enc: dict[str, Any], tokens: torch.Tensor, with_entropy: bool,
+                        temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [M, K*A] of action chunks `tokens` after the encoded prompts, over the action ids."""
+        L = tokens.shape[1]
+        ids = torch.cat([enc["prompt_ids"], tokens], 1)
+        attn = torch.cat([enc["prompt_mask"], torch.ones_like(tokens)], 1)
+        mm = torch.cat([enc["mm_token_type_ids"], torch.zeros_like(tokens)], 1)
+        vision = vision_inputs(enc["pixel_values"], enc["image_grid_thw"])
+        pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm, use_cache=False,
+                       logits_to_keep=L + 1, **vision).logits[:, :-1].float()
+        z = logits[..., self.token_start:self.token_start + self.n_bins]
+        t = self.temperature if temperature is None else temperature
+        if t not in (0.0, 1.0):  # greedy rollouts are scored at temperature 1 (their logp is informational)
+            z = z / t
+        return token_logprobs(z, tokens - self.token_start, None, with_entropy)
+
+    def logprobs_of(self, observations: dict | Any, instructions: Sequence[str], tokens: torch.Tensor,
+                    with_entropy: bool = False, model: nn.Module | None = None):
+        """Teacher-forced log-probs [B, K*A] of action tokens for one observation per row."""
+        arr = observation_images(observations, self.cameras)
+        enc = self.encode(self._vl_contexts(list(arr), instructions))
+        return self._chunk_logprobs(model or self.model, enc, tokens.to(self.device), with_entropy)
+
+    def _rollout_logprobs(self, model: nn.Module, rollout: Rollout, with_entropy: bool, window: slice | None = None):
+        """[N, T] log-probs of `rollout.units[:, window]`: one forward per episode chunk that the
+        window touches (a window of whole chunks costs nothing extra)."""
+        N, L = len(rollout), self.tokens_per_chunk
+        S = rollout.units.shape[1] // L
+        rows, steps, start, stop = acted_chunks(rollout.mask, L, window)
+        chunks = rollout.units.view(N, S, L)
+        out = torch.zeros(N, S, L, device=self.device)
+        ent_out = torch.zeros(N, S, L, device=self.device) if with_entropy else None
+        if len(rows):
+            obs = rollout.extras["obs_images"]
+            imgs = [obs[n][s].cpu().numpy() for n, s in zip(rows.tolist(), steps.tolist())]
+            instr = [rollout.contexts[n]["instruction"] for n in rows.tolist()]
+            enc = self.encode(self._vl_contexts(imgs, instr))
+            logp, ent = self._chunk_logprobs(model, enc, chunks[rows, steps], with_entropy)
+            out = out.index_put((rows, steps), logp)
+            if with_entropy:
+                ent_out = ent_out.index_put((rows, steps), ent)
+        # Unexecuted sub-steps of a final chunk were scored with it; report 0 there, like unacted chunks.
+        m = rollout.mask[:, start:stop]
+        out = torch.where(m, out.view(N, S * L)[:, start:stop], 0.0)
+        return out, None if ent_out is None else torch.where(m, ent_out.view(N, S * L)[:, start:stop], 0.0)
+
+    def logprobs(self, rollout: Rollout, with_entropy: bool = False, units: slice | None = None):
+        return self._rollout_logprobs(self.model, rollout, with_entropy, window=units)
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        with self.reference_module() as ref:
+            return self._rollout_logprobs(ref, rollout, False)[0]
+
+    # ------------------------------------------------------------------ episodes
+
+    @torch.no_grad()
+    def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
+               temperature: float | None = None) -> Rollout:
+        G = group_size
+        K, A, L = self.chunk_size, self.action_dim, self.tokens_per_chunk
+
+        def act(images: np.ndarray, states: np.ndarray, instructions: list[str]):
+            out = self._act_images(images, instructions, generator, temperature)
+            return out.actions, out
+
+        ep = run_episodes(self.env_factory, [dict(c) for c in contexts for _ in range(G)], act, self.max_chunks,
+                          self.cameras)
+        N, S, dev = len(ep.rows), len(ep.steps), self.device
+        tokens = torch.full((N, S, L), self.token_start, dtype=torch.long, device=dev)
+        logp = torch.zeros(N, S, L, device=dev)
+        mask = torch.zeros(N, S, L, dtype=torch.bool, device=dev)
+        for s, (idx, out, executed) in enumerate(ep.steps):
+            rows = torch.as_tensor(idx, device=dev)
+            tokens[rows, s], logp[rows, s] = out.tokens, out.logp
+            # Tokens of sub-steps the env never ran (the episode ended inside the chunk) are not trained.
+            sub_ok = torch.as_tensor(np.arange(K)[None] < executed[:, None], device=dev)
+            mask[rows, s] = sub_ok.repeat_interleave(A, 1)
+        return Rollout(
+            units=tokens.view(N, S * L), logp_old=logp.view(N, S * L), mask=mask.view(N, S * L),
+            truncated=torch.as_tensor(~ep.done, device=dev),  # cut by max_chunks, not ended by the env
+            max_units=self.max_chunks * L, contexts=ep.rows, extras=ep.extras(dev))
+
+    def decode(self, rollout: Rollout) -> list[dict[str, Any]]:
+        return decode_episodes(rollout)
+
+    # ------------------------------------------------------------------ SFT
+
+    def sft_loss(self, contexts: list[dict]) -> torch.Tensor:
+        """Mean cross-entropy of the discretised expert chunks (over the action ids, temperature 1)."""
+        ex = [parse_sft_context(c, i, self.cameras, self.action_dim, self.chunk_size) for i, c in enumerate(contexts)]
+        tokens = self.actions_to_tokens(torch.stack([e.actions for e in ex])).to(self.device)
+        m = torch.stack([e.valid for e in ex]).repeat_interleave(self.action_dim, 1).to(self.device)
+        enc = self.encode(self._vl_contexts([e.images for e in ex], [e.instruction for e in ex]))
+        logp, _ = self._chunk_logprobs(self.model, enc, tokens, False, temperature=1.0)
+        return -torch.where(m, logp, 0.0).sum() / m.sum().clamp_min(1)
+
+
+__all__ = ["ActOutput", "ActionTokenVLAPolicy"]
