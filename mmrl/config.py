@@ -101,6 +101,23 @@ class AlgoConfig:
     guide_coef: float = 1.0
     gfpo_keep: int = 0  # > 0: GFPO, keep this many of each group by `gfpo_metric`; the rest get 0
     gfpo_metric: Literal["shortest", "reward_per_length"] = "shortest"
+    # Perception (docs/algorithms.md, "Perception-aware terms"): the policy scores the sampled
+    # units again with its images masked (each vision patch blacked with `mask_prob`).
+    # PAPO (arXiv 2507.06448): maximise papo_gamma x the k3 KL(pi(.|image) || pi(.|masked image)),
+    # optionally clipped per token at papo_kl_max (0 = no clip), plus the double entropy loss
+    # papo_entropy = [eta_1 on the image's pass, eta_2 on the masked pass] (off by default).
+    papo_gamma: float = 0.0
+    papo_kl_max: float = 0.0
+    papo_entropy: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    # VL-Calibration (arXiv 2604.09529): > 0 reweights the advantages of negative-advantage tokens
+    # by the rollout's visual certainty, w = clip(1 + alpha (1 - 2c), 0, 2) with alpha = this value.
+    certainty_reweight: float = 0.0
+    mask_prob: float = 0.6
+
+    @property
+    def masks_images(self) -> bool:
+        """Whether the update needs the masked-image pass."""
+        return self.papo_gamma > 0 or any(e > 0 for e in self.papo_entropy) or self.certainty_reweight > 0
 
     def resolved_advantage(self) -> str:
         if self.advantage is not None:
@@ -447,6 +464,12 @@ def validate(cfg: RunConfig) -> None:
     _check(0 <= a.prompt_replay <= 1, f"algo.prompt_replay must be in [0, 1] (0 = off), got {a.prompt_replay}")
     _check(a.prompt_replay_size >= 1, f"algo.prompt_replay_size must be >= 1, got {a.prompt_replay_size}")
     _check(a.guide_coef > 0, f"algo.guide_coef must be > 0, got {a.guide_coef}")
+    _check(a.papo_gamma >= 0, f"algo.papo_gamma must be >= 0 (0 = off), got {a.papo_gamma}")
+    _check(a.papo_kl_max >= 0, f"algo.papo_kl_max must be >= 0 (0 = no clip), got {a.papo_kl_max}")
+    _check(len(a.papo_entropy) == 2 and min(a.papo_entropy) >= 0,
+           f"algo.papo_entropy must be two numbers >= 0 ([eta_1, eta_2]), got {a.papo_entropy}")
+    _check(a.certainty_reweight >= 0, f"algo.certainty_reweight must be >= 0 (0 = off), got {a.certainty_reweight}")
+    _check(0 <= a.mask_prob <= 1, f"algo.mask_prob must be in [0, 1], got {a.mask_prob}")
     if a.success_filter is not None:
         lo_hi = a.success_filter
         _check(len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1] <= 1,

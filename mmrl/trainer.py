@@ -93,6 +93,10 @@ class StopRequest:
         self._previous.clear()
 
 
+# Loss terms normalised by the whole optimizer step: summed over its micro-batches, averaged over steps.
+SUMMED_TERMS = ("entropy", "kl_ref", "perception_kl", "entropy_masked")
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, policy, task, log: MetricsLogger | None = None):
         self.cfg = cfg
@@ -125,6 +129,9 @@ class Trainer:
                                         wandb_project=t.wandb_project, config=cfg.to_dict())
         if cfg.algo.beta > 0:
             self.policy.enable_reference()
+        if cfg.algo.masks_images and not policy.can_mask_images:  # say so before SFT, not at the first update
+            raise ValueError(f"algo.papo_gamma, algo.papo_entropy and algo.certainty_reweight need a policy whose "
+                             f"rollouts carry images to mask (qwen_vl); {type(policy).__name__} cannot")
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=t.bf16 and self.device.type == "cuda")
 
     # ------------------------------------------------------------------ state
@@ -362,58 +369,97 @@ class Trainer:
             return [slice(0, T)]
         return [slice(a, min(a + c, T)) for a in range(0, T, c)]
 
-    def micro_loss(self, part: Rollout, logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
-                   old_logp: torch.Tensor, adv: torch.Tensor, ref_logp: torch.Tensor | None,
-                   denom: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of one micro-batch from its unit log-probs and entropies [n, T], normalised by
-        `denom` (the whole optimizer step's), and its metrics."""
+    def trained_scores(self) -> tuple[str, ...]:
+        """The per-unit scores the loss differentiates (the rest are only logged or used as weights)."""
+        a = self.cfg.algo
+        keys = ["logp"]
+        if a.entropy_coef > 0 or a.papo_entropy[0] > 0:
+            keys.append("entropy")
+        if a.papo_gamma > 0:
+            keys.append("logp_masked")
+        if a.papo_entropy[1] > 0:
+            keys.append("entropy_masked")
+        return tuple(keys)
+
+    def score_units(self, part: Rollout, masked: Rollout | None, window: slice | None = None) -> dict[str, torch.Tensor]:
+        """Per-unit log-probs and entropies [n, T] (of `window`) of `part`, and of `masked` (the same
+        units with the images masked) when the update uses that pass."""
+        with self.autocast:
+            logp, entropy = self.policy.logprobs(part, with_entropy=True, units=window)
+            scores = {"logp": logp, "entropy": entropy}
+            if masked is not None:
+                with_entropy = self.cfg.algo.papo_entropy[1] > 0
+                scores["logp_masked"], entropy_masked = self.policy.logprobs(masked, with_entropy=with_entropy,
+                                                                             units=window)
+                if with_entropy:
+                    scores["entropy_masked"] = entropy_masked
+        return scores
+
+    def micro_loss(self, part: Rollout, scores: dict[str, torch.Tensor], mask: torch.Tensor, old_logp: torch.Tensor,
+                   adv: torch.Tensor, ref_logp: torch.Tensor | None, denom: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch from its per-unit scores [n, T], every term aggregated with
+        the same mask, `agg` mode and `denom` (the whole optimizer step's), and its metrics."""
         a, budget = self.cfg.algo, self.unit_budget(part)
+        logp, entropy = scores["logp"], scores["entropy"]
         params = {**self.loss_params, "max_response_len": budget}
         pg_mask = algos.high_entropy_tokens(entropy.detach(), mask, a.entropy_top_frac)  # mask itself at 1.0
         loss, metrics = algos.policy_loss(a.loss, logp, old_logp, adv, pg_mask, denominator=denom, agg=self.agg,
                                           **{k: v for k, v in params.items() if k != "agg"})
         metrics = {k: float(v) for k, v in metrics.items()}
+
+        def aggregate(per_unit: torch.Tensor) -> torch.Tensor:
+            return algos.aggregate(per_unit, mask, self.agg, budget, denominator=denom)
+
         if ref_logp is not None:
-            kl = algos.kl_penalty(logp, ref_logp, a.kl_kind, mask=mask)
-            kl_term = algos.aggregate(kl, mask, self.agg, budget, denominator=denom)
+            kl_term = aggregate(algos.kl_penalty(logp, ref_logp, a.kl_kind, mask=mask))
             loss = loss + a.beta * kl_term
             metrics["kl_ref"] = kl_term.item()
-        ent_term = algos.aggregate(entropy if a.entropy_coef > 0 else entropy.detach(), mask, self.agg, budget,
-                                   denominator=denom)
-        if a.entropy_coef > 0:
-            loss = loss - a.entropy_coef * ent_term
+        trained = self.trained_scores()
+        ent_term = aggregate(entropy if "entropy" in trained else entropy.detach())
+        loss = loss + (a.papo_entropy[0] - a.entropy_coef) * ent_term
         metrics["entropy"] = ent_term.item()
+        if "logp_masked" in scores:  # PAPO's implicit perception loss, maximised
+            kl_prcp = aggregate(algos.perception_kl(logp, scores["logp_masked"], mask, a.papo_kl_max))
+            loss = loss - a.papo_gamma * kl_prcp
+            metrics["perception_kl"] = kl_prcp.item()
+        if "entropy_masked" in scores:
+            ent_masked = aggregate(scores["entropy_masked"])
+            loss = loss + a.papo_entropy[1] * ent_masked
+            metrics["entropy_masked"] = ent_masked.item()
         return loss, metrics
 
-    def backward_micro(self, part: Rollout, *loss_inputs) -> tuple[float, dict[str, float]]:
+    def backward_micro(self, part: Rollout, masked: Rollout | None, *loss_inputs) -> tuple[float, dict[str, float]]:
         """Backward of `micro_loss` on `part`. With several unit windows (`train.unit_chunk`), the
-        loss is first taken on log-probs computed without graph, which gives its gradient with
-        respect to every unit's log-prob and entropy; each window is then recomputed with graph and
-        back-propagated against that gradient. The chain rule makes the parameter gradient the
-        one-pass gradient for every loss and aggregation (sequence-level ratios included), while
-        only one window's activations are alive at a time."""
+        loss is first taken on scores computed without graph, which gives its gradient with respect
+        to every unit's scores; each window is then recomputed with graph and back-propagated
+        against that gradient. The chain rule makes the parameter gradient the one-pass gradient
+        for every loss and aggregation (sequence-level ratios included), while only one window's
+        activations are alive at a time."""
         windows = self.unit_windows(part.units.shape[1])
-        train_entropy = self.cfg.algo.entropy_coef > 0
         if len(windows) == 1:
-            with self.autocast:
-                logp, entropy = self.policy.logprobs(part, with_entropy=True)
-            loss, metrics = self.micro_loss(part, logp, entropy, *loss_inputs)
+            loss, metrics = self.micro_loss(part, self.score_units(part, masked), *loss_inputs)
             loss.backward()
             return loss.item(), metrics
-        with torch.no_grad(), self.autocast:
-            pieces = [self.policy.logprobs(part, with_entropy=True, units=w) for w in windows]
-        logp = torch.cat([p[0] for p in pieces], 1).float().requires_grad_()
-        entropy = torch.cat([p[1] for p in pieces], 1).float().requires_grad_(train_entropy)
-        loss, metrics = self.micro_loss(part, logp, entropy, *loss_inputs)
+        trained = self.trained_scores()
+        with torch.no_grad():
+            pieces = [self.score_units(part, masked, w) for w in windows]
+        scores = {k: torch.cat([p[k] for p in pieces], 1).float().requires_grad_(k in trained) for k in pieces[0]}
+        loss, metrics = self.micro_loss(part, scores, *loss_inputs)
         loss.backward()
         for w in windows:
-            with self.autocast:
-                logp_w, entropy_w = self.policy.logprobs(part, with_entropy=train_entropy, units=w)
-            surrogate = (logp_w * logp.grad[:, w]).sum()
-            if train_entropy:
-                surrogate = surrogate + (entropy_w * entropy.grad[:, w]).sum()
-            surrogate.backward()
+            window_scores = self.score_units(part, masked, w)
+            sum(((window_scores[k] * scores[k].grad[:, w]).sum() for k in trained)).backward()
         return loss.item(), metrics
+
+    def certainty_weights(self, rollout: Rollout, masked: Rollout, mask: torch.Tensor,
+                          adv: torch.Tensor) -> torch.Tensor:
+        """VL-Calibration's token weights of the advantages [N, T] from the rollout's visual certainty."""
+        with torch.no_grad():
+            scores = self.score_units(rollout, masked)
+            certainty = algos.visual_certainty(scores["logp"], scores["logp_masked"], scores["entropy"], mask,
+                                               group_ids=rollout.group_ids)
+        return algos.certainty_token_weights(certainty, mask, advantages=adv, alpha=self.cfg.algo.certainty_reweight)
 
     def update(self, rollout: Rollout, guide_contexts: list[Any] = ()) -> dict[str, float]:
         """One RL update on `rollout`; `guide_contexts` (see `collect`) add their supervised loss
@@ -429,6 +475,10 @@ class Trainer:
         if a.beta > 0:
             with self.autocast:
                 ref_logp = self.policy.reference_logprobs(rollout)
+        # One image mask per rollout, kept for every epoch of this update.
+        masked = self.policy.mask_images(rollout, a.mask_prob, self.sample_gen) if a.masks_images else None
+        if a.certainty_reweight > 0:
+            adv = adv[:, None] * self.certainty_weights(rollout, masked, mask, adv)
         budget = self.unit_budget(rollout)
         sums: dict[str, float] = defaultdict(float)
         n_updates = 0
@@ -446,11 +496,11 @@ class Trainer:
                     sums["guide_loss"] += self.guidance_backward(guide_contexts)
                 for micro in self._micro_batches(mb):
                     loss, metrics = self.backward_micro(
-                        rollout.select(micro), mask[micro], old_logp[micro], adv[micro],
-                        None if ref_logp is None else ref_logp[micro], denom)
+                        rollout.select(micro), None if masked is None else masked.select(micro), mask[micro],
+                        old_logp[micro], adv[micro], None if ref_logp is None else ref_logp[micro], denom)
                     sums["loss"] += loss
                     for k, v in metrics.items():
-                        if k in ("entropy", "kl_ref"):
+                        if k in SUMMED_TERMS:
                             sums[k] += v
                         elif k.endswith("_max"):
                             sums[k] = max(sums.get(k, v), v)
@@ -460,7 +510,7 @@ class Trainer:
                             sums[k] += v * len(micro) / (N * t.ppo_epochs)  # row-weighted mean
                 sums["grad_norm"] += self._optimizer_step()
                 n_updates += 1
-        out = {f"train/{k}": v / max(1, n_updates) if k in ("loss", "entropy", "kl_ref", "grad_norm") else v
+        out = {f"train/{k}": v / max(1, n_updates) if k in ("loss", "grad_norm", *SUMMED_TERMS) else v
                for k, v in sums.items()}
         out.update({
             "adv/mean": adv.mean().item(), "adv/std": adv.std().item() if N > 1 else 0.0,

@@ -87,3 +87,36 @@ def test_vprl_equal_cpu_bench_smoke(tmp_path):
     assert json.loads((tmp_path / "equal_cpu.json").read_text())["rows"] == result["rows"]
     body = (tmp_path / "equal_cpu.md").read_text().splitlines()[2:]
     assert [line.split(" | ")[0] for line in body] == ["| 0", "| mean of 1"]
+
+
+def test_vlm_vs_trl_bench_smoke():
+    """mmrl's Trainer and TRL's GRPOTrainer run interleaved GRPO steps on the same tiny Qwen2.5-VL and
+    VQA records, both forced to the full completion budget; the JSON line carries both sides."""
+    pytest.importorskip("trl")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vlm_vs_trl.py"), "--smoke"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "trl_error" not in result, result.get("trl_error")
+    assert result["smoke"] is True and result["repeats"] == 1 and len(result["mmrl_steps_s"]) == 1
+    budget = result["completions_per_step"] * result["max_new_tokens"]
+    assert result["mmrl_tokens_per_step"] == result["trl_tokens_per_step"] == budget
+    for key in ("mmrl_step_s", "trl_step_s", "speedup", "mmrl_cpu_step_s", "trl_cpu_step_s", "cpu_speedup"):
+        assert result[key] > 0, key
+    assert result["speedup"] == pytest.approx(result["trl_step_s"] / result["mmrl_step_s"], rel=0.01)
+    assert result["speedup_min"] <= result["speedup_max"]
+
+
+def test_gpu_vlm_bench_smoke():
+    """The 3B-scale VLM throughput bench at tiny sizes on the CPU: one sampled and updated step."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_vlm.py"), "--smoke"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["smoke"] is True and result["device"] == "cpu" and result["steps"] == 1
+    assert result["gen_tokens_per_step"] == result["prompts"] * result["group"] * result["max_new_tokens"]
+    assert result["update_tokens_per_step"] > result["gen_tokens_per_step"]
+    for key in ("rollout_tokens_per_s", "update_tokens_per_s", "update_completion_tokens_per_s", "sample_s",
+                "update_s"):
+        assert result[key] > 0, key
+    assert 0 <= result["mfu"] < 1 and 0 <= result["rollout_mfu"] < 1

@@ -32,6 +32,8 @@ from .shaping import (
 )
 from . import offline
 from .offline import dpo_loss, kto_loss, opd_advantages, rpo_loss
+from .perception import mask_patches, perception_kl
+from .calibration import certainty_token_weights, visual_certainty
 
 __all__ = [
     "AGG_MODES",
@@ -40,6 +42,7 @@ __all__ = [
     "LossSpec",
     "Groups",
     "agg_denominator",
+    "certainty_token_weights",
     "aggregate",
     "compute_advantages",
     "dpo_loss",
@@ -55,6 +58,7 @@ __all__ = [
     "kto_loss",
     "list_algorithms",
     "make_groups",
+    "mask_patches",
     "mask_truncated",
     "masked_whiten",
     "nonconstant_groups",
@@ -62,6 +66,7 @@ __all__ = [
     "one_row_per_group",
     "opd_advantages",
     "overlong_penalty",
+    "perception_kl",
     "policy_loss",
     "redit",
     "register_advantage",
@@ -69,4 +74,5 @@ __all__ = [
     "rpo_loss",
     "shaping",
     "success_rate_filter",
+    "visual_certainty",
 ]

@@ -71,6 +71,7 @@ class PolicyBase:
     model: nn.Module
     reference: nn.Module | None = None
     PARAMS: frozenset[str] = frozenset()  # the model.params keys this adapter reads
+    can_mask_images = False  # `mask_images` works on its rollouts (PAPO, VL-Calibration)
 
     @classmethod
     def check_params(cls, params: dict) -> None:
@@ -80,6 +81,12 @@ class PolicyBase:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def mask_images(self, rollout: Rollout, prob: float, generator: torch.Generator | None = None) -> Rollout:
+        """The same rollout (same units) with every image patch blacked with probability `prob`, to
+        score it again under a perturbed context (PAPO, VL-Calibration). Policies that see images
+        override it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot mask its images (can_mask_images is False)")
 
     def enable_reference(self) -> None:
         """A frozen copy of the current weights for the KL term; under LoRA the model with its

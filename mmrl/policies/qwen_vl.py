@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from mmrl.policies.base import TextPolicyBase, apply_lora, checkpoint_dir, sampling_settings
-from mmrl.rollout import sample_tokens, token_logprobs
+from mmrl.rollout import Rollout, sample_tokens, token_logprobs
 
 IMAGE_PLACEHOLDER = "<image>"  # where a prompt places an image (EasyR1, Geometry3K, MathVerse layouts)
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
@@ -292,6 +292,31 @@ class QwenVLPolicy(TextPolicyBase):
         logits = logits / (self.temperature if temperature is None else temperature)
         suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=logits.device)
         return token_logprobs(logits, units[:, start:], suppress, with_entropy)
+
+    def black_patch(self) -> torch.Tensor:
+        """One flattened vision patch of a black image, as the processor normalises it: rows of
+        `pixel_values` are [channel, time, patch, patch], channel-major."""
+        ip = self.processor.image_processor
+        scale = ip.rescale_factor if ip.do_rescale else 1.0
+        mean = torch.as_tensor(ip.image_mean, dtype=torch.float32) if ip.do_normalize else torch.zeros(3)
+        std = torch.as_tensor(ip.image_std, dtype=torch.float32) if ip.do_normalize else torch.ones(3)
+        per_channel = (0.0 * scale - mean) / std
+        return per_channel.repeat_interleave(ip.temporal_patch_size * ip.patch_size ** 2)
+
+    can_mask_images = True
+
+    def mask_images(self, rollout: Rollout, prob: float, generator: torch.Generator | None = None) -> Rollout:
+        """The rollout with each image patch blacked with probability `prob`, independently per row
+        (PAPO's random patch masking, on the processor's own patches); the units are unchanged."""
+        from dataclasses import replace
+
+        from mmrl.algos.perception import mask_patches
+
+        if "pixel_values" not in rollout.extras:
+            raise ValueError(f"{type(self).__name__}: this rollout carries no images (pixel_values) to mask")
+        black = self.black_patch().to(self.device)
+        pixels = [mask_patches(p, black, prob, generator) if p.numel() else p for p in rollout.extras["pixel_values"]]
+        return replace(rollout, extras={**rollout.extras, "pixel_values": pixels})
 
     def target_text(self, context: dict, i: int = 0) -> str:
         t = _field(context, self.target_key, i, "target_key")

@@ -86,6 +86,8 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
     """`config` holds the `model.params` (`ActionTokenVLAConfig`); keywords given as `params`
     override its fields (or build it alone)."""
 
+    can_mask_images = False  # its rollouts keep camera frames per chunk, not the processor's patches
+
     PARAMS = ACTION_VLA_PARAMS
 
     def __init__(self, model: nn.Module, processor, config: ActionTokenVLAConfig | None = None, *,
