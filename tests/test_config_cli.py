@@ -11,8 +11,8 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_loads(path):
-    cfg = load_config(path)
+def test_every_shipped_config_loads(path, local_inputs):
+    cfg = load_config(path, local_inputs(path))
     assert cfg.train.steps >= 0
 
 
@@ -159,7 +159,7 @@ def test_the_per_loss_caption_configs_differ_from_grpo_only_in_the_loss():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_a_typo_in_any_component_of_a_shipped_config_is_one_line(path, capsys, monkeypatch):
+def test_a_typo_in_any_component_of_a_shipped_config_is_one_line(path, capsys, monkeypatch, local_inputs):
     """task / reward / loss / advantage parameters are checked at load, before anything is built."""
     import mmrl.cli
 
@@ -167,13 +167,14 @@ def test_a_typo_in_any_component_of_a_shipped_config_is_one_line(path, capsys, m
         raise AssertionError("the typo passed load_config")
 
     monkeypatch.setattr(mmrl.cli, "run_training", not_at_load)
-    cfg = load_config(path)
+    local = local_inputs(path)
+    cfg = load_config(path, local)
     typos = [("task.params.bogus_key=1", "task.params"), ("model.params.bogus_key=1", "model.params"),
              ("algo.loss_params.bogus_key=1", "algo.loss_params"),
              ("algo.advantage_params.bogus_key=1", "algo.advantage_params")]
     typos += [(f"rewards.{i}.params.bogus_key=1", f"rewards[{i}].params") for i in range(len(cfg.rewards))]
     for override, where in typos:
-        assert main(["train", str(path), override]) == 2, override
+        assert main(["train", str(path), *local, override]) == 2, override
         err = capsys.readouterr().err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert err.startswith(f"mmrl: error: {where}") and "'bogus_key'" in err and "valid:" in err, err

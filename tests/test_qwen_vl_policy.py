@@ -4,6 +4,7 @@ micro-batch without changing anything, checkpoints round-trip, and VPRL's text m
 
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from mmrl.envs import make_task
 from mmrl.envs.planning.frozenlake import from_text
 from mmrl.envs.planning.minibehavior import make_layout
 from mmrl.policies import build_policy
+from mmrl.policies.fast_decode import FastDecoder, _rotate
 from mmrl.policies.qwen_vl import QwenVLPolicy, rope_positions, vision_inputs
 from mmrl.rewards import REWARDS, get_reward, register_reward
 from mmrl.rewards.planning_text import parse_actions
@@ -80,6 +82,61 @@ def test_sampled_logprobs_match_teacher_forcing(vl, arch, temperature):
     assert rollout.mask.any()
     assert _max_diff(rollout, logp) < 1e-5
     assert torch.isfinite(entropy[rollout.mask]).all() and (entropy[rollout.mask] >= 0).all()
+
+
+@pytest.mark.parametrize("arch", QWEN_VL_ARCHS)
+def test_lean_and_hf_decoding_draw_the_same_tokens(vl, arch):
+    """After the HF prefill (vision + prompt), the lean static-cache decoder and the HF forward
+    draw the same tokens with the same log-probs from one generator (a text-only row included)."""
+    model, processor = vl(arch)
+    lean, hf = QwenVLPolicy(model, processor, max_new_tokens=10), QwenVLPolicy(model, processor, max_new_tokens=10,
+                                                                               fast_decode=False)
+    assert lean._fast is not None and hf._fast is None
+    contexts = _contexts() + [{"frame": None, "prompt": "no image here"}]
+    for temperature in (1.0, 0.7):
+        a, b = (p.sample(contexts, 3, generator=torch.Generator().manual_seed(7), temperature=temperature)
+                for p in (lean, hf))
+        assert torch.equal(a.units, b.units) and torch.equal(a.mask, b.mask)
+        assert torch.allclose(a.logp_old, b.logp_old, atol=1e-5), (a.logp_old - b.logp_old).abs().max()
+
+
+@pytest.mark.parametrize("arch", QWEN_VL_ARCHS)
+def test_lean_rope_is_the_models_mrope_on_text(vl, arch):
+    """With the same position on the t/h/w axes (a text token), the model's mRoPE rotation is the
+    lean decoder's: plain RoPE at that position with the model's rope_theta."""
+    model, _ = vl(arch)
+    fast = FastDecoder.maybe(model)
+    text = model.model.language_model
+    rope = text.config.rope_parameters
+    pos = torch.tensor([[0, 1, 17, 300], [5, 6, 7, 1000]])
+    q = torch.randn(2, 4, pos.shape[1], fast.head_dim, generator=torch.Generator().manual_seed(0))
+    cos3, sin3 = text.rotary_emb(q, pos.expand(3, *pos.shape))
+    hf_module = sys.modules[type(model).__module__]
+    if arch == "qwen3_vl":  # interleaved mRoPE, merged inside the rotary module
+        want, _ = hf_module.apply_rotary_pos_emb(q, q, cos3, sin3)
+    else:
+        want, _ = hf_module.apply_multimodal_rotary_pos_emb(q, q, cos3, sin3, rope["mrope_section"])
+    got = _rotate(q, *fast.rope(pos))
+    assert (got - want).abs().max().item() < 1e-5
+    inv_freq = rope["rope_theta"] ** -(torch.arange(0, fast.head_dim, 2).float() / fast.head_dim)
+    angles = (pos[..., None].float() * inv_freq).repeat(1, 1, 2)[:, None]  # [B, 1, S, D]
+    plain = q * angles.cos() + torch.cat([-q[..., fast.head_dim // 2:], q[..., :fast.head_dim // 2]], -1) * angles.sin()
+    assert (got - plain).abs().max().item() < 1e-4  # float32 angles up to 1000 rad
+
+
+def test_lean_decoding_falls_back_under_lora(vl):
+    """LoRA wraps the projections (their weights are not `.weight` alone): the HF forward decodes."""
+    from peft import LoraConfig, get_peft_model
+
+    model, processor = build_tiny_qwen_vl(vl()[1].tokenizer, "qwen2_5_vl", seed=0), vl()[1]
+    assert FastDecoder.maybe(model) is not None
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert FastDecoder.maybe(lora) is None and FastDecoder.maybe(lora.get_base_model()) is None
+    policy = QwenVLPolicy(lora, processor, max_new_tokens=6)
+    assert policy._fast is None
+    rollout = policy.sample(_contexts(), 2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert _max_diff(rollout, policy.logprobs(rollout)[0]) < 1e-5
 
 
 def test_explicit_positions_are_the_models_own(vl):

@@ -28,8 +28,9 @@ def _needs_missing_input(cfg) -> str | None:
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_builds_and_its_rewards_score_a_rollout(path, tmp_path):
-    cfg = load_config(path, [f"train.output_dir={tmp_path}", "train.device=cpu"])
+def test_every_shipped_config_builds_and_its_rewards_score_a_rollout(path, tmp_path, local_inputs):
+    # A GPU config's checkpoint and data folders are the user's: tiny ones written here stand in.
+    cfg = load_config(path, [f"train.output_dir={tmp_path}", "train.device=cpu", *local_inputs(path)])
     missing = _needs_missing_input(cfg)
     if missing:
         pytest.skip(missing)

@@ -90,10 +90,15 @@ def load_table(file: Path, field: str | None = None):
     import datasets
 
     kind = DATA_FORMATS[file.suffix]
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.utils.logging.disable_progress_bar()  # a local file reads in a blink: no "Generating split" bars
     try:
         ds = datasets.load_dataset(kind, data_files=str(file), split="train", **({"field": field} if field else {}))
     except Exception as e:  # pyarrow / json errors: say which file, keep the cause
         raise ValueError(f"{file}: cannot read as {kind} ({type(e).__name__}: {e})") from e
+    finally:
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
     if field is None and file.suffix == ".json" and ds.num_rows == 1 and _is_json_object(file):
         if ds.column_names == ["data"] and isinstance(ds[0]["data"], list):
             return load_table(file, field="data")

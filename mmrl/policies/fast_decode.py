@@ -8,6 +8,10 @@ KV buffer when decoding) and reuses the model's rotary module so every RoPE vari
 stays exact. Gradients flow to the HF parameters, so the trainer can use it for the update too.
 Anything it does not recognise falls back to the HF forward (`FastDecoder.maybe` returns None).
 Parity with the HF forward, in values and gradients, is tested.
+
+A Qwen-VL's language model is one of these decoders under mRoPE. Text tokens carry the same
+position on the t/h/w axes, where mRoPE is plain RoPE, so after an HF prefill (vision + prompt) the
+static-cache stepper decodes a VLM's completions too (`_StaticCacheStepper.load_prefix`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from mmrl.rollout import (
 )
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+# Qwen-VL language models (`model.model.language_model`): Qwen2-style and (Qwen3-VL) Qwen3-style
+# decoders whose rotary module takes 3-D mRoPE positions.
+VL_TEXT_MODEL_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
+_QK_NORM_TYPES = ("qwen3", "qwen3_vl_text")
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -41,29 +49,42 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
+def _text_body(model):
+    """The decoder stack (embed_tokens, layers, norm, rotary_emb) of a causal LM (`model.model`) or
+    of a Qwen-VL (`model.model.language_model`); None when there is none."""
+    inner = getattr(model, "model", None)
+    body = getattr(inner, "language_model", inner)
+    return body if hasattr(body, "rotary_emb") and hasattr(body, "layers") else None
+
+
 class FastDecoder:
-    def __init__(self, model):
-        self.model = model
-        cfg = model.config
+    def __init__(self, model, body=None):
+        self.model = model  # gradients flow to its parameters; `lm_head` is read from it
+        self.body = _text_body(model) if body is None else body
+        cfg = self.body.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        # The attention module's own head_dim: Qwen2(.5)-VL's is hidden_size / heads whatever the config says.
+        attn = self.body.layers[0].self_attn
+        self.head_dim = getattr(attn, "head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in _QK_NORM_TYPES
+        self.mrope = cfg.model_type in VL_TEXT_MODEL_TYPES
         self.dropout = float(getattr(cfg, "attention_dropout", 0.0) or 0.0)
 
     @classmethod
     def maybe(cls, model) -> FastDecoder | None:
-        cfg = getattr(model, "config", None)
-        if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        body = _text_body(model)
+        cfg = getattr(body, "config", None)
+        if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES + VL_TEXT_MODEL_TYPES:
             return None
         if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "use_sliding_window", False):
             return None
         if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
             return None
-        if getattr(cfg, "mlp_bias", False) or not hasattr(model, "model") or not hasattr(model.model, "rotary_emb"):
-            return None
-        return cls(model)
+        if getattr(cfg, "mlp_bias", False) or not _plain_projections(body):
+            return None  # e.g. LoRA or quantised layers: their weights are not `.weight` alone
+        return cls(model, body)
 
     # ------------------------------------------------------------------ weights
 
@@ -71,7 +92,7 @@ class FastDecoder:
         """Per-layer weights with q|k|v and gate|up concatenated (differentiable: `cat` passes
         gradients back to the HF parameters)."""
         layers = []
-        for layer in self.model.model.layers:
+        for layer in self.body.layers:
             a, m = layer.self_attn, layer.mlp
             biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
             layers.append(dict(
@@ -85,8 +106,16 @@ class FastDecoder:
         return layers
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        embed = self.model.model.embed_tokens.weight
-        cos, sin = self.model.model.rotary_emb(embed[:1], positions)
+        """Rotary tables of 1-D `positions` [B, S], from the model's own rotary module. Under mRoPE
+        the three axes get the same position (a text token), so every section reads one table:
+        axis 0 of Qwen2(.5)-VL's [3, B, S, D] output (Qwen3-VL interleaves it into [B, S, D])."""
+        embed = self.body.embed_tokens.weight
+        if self.mrope:
+            cos, sin = self.body.rotary_emb(embed[:1], positions.expand(3, *positions.shape))
+            if cos.dim() == 4:
+                cos, sin = cos[0], sin[0]
+        else:
+            cos, sin = self.body.rotary_emb(embed[:1], positions)
         half = sin.shape[-1] // 2
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
         return cos.unsqueeze(1), signed_sin.unsqueeze(1)  # [B, 1, S, D]; see `_rotate`
@@ -102,7 +131,7 @@ class FastDecoder:
         [B]) puts row `prefix_index[b]`'s prefix keys/values before row b's own."""
         B, S = ids.shape
         nq, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        emb = self.model.model.embed_tokens
+        emb = self.body.embed_tokens
         # padding_idx as in nn.Embedding: HF never trains the pad row, and neither may we.
         h = F.embedding(ids, emb.weight, padding_idx=emb.padding_idx)
         end = start + S
@@ -131,14 +160,15 @@ class FastDecoder:
             x = _rms_norm(h, L["ln2"], self.eps)
             gate, up = F.linear(x, L["gate_up_w"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, L["down_w"])
-        return _rms_norm(h, self.model.model.norm.weight, self.eps)
+        return _rms_norm(h, self.body.norm.weight, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.lm_head.weight)
 
     def forward_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep_last: int) -> torch.Tensor:
         """Teacher-forced logits of the last `keep_last` positions, with gradient: the drop-in for
-        `model(input_ids, attention_mask, position_ids, logits_to_keep=keep_last).logits`."""
+        `model(input_ids, attention_mask, position_ids, logits_to_keep=keep_last).logits` (text
+        only: a Qwen-VL's prompts go through its HF forward)."""
         S = input_ids.shape[1]
         cos, sin = self.rope(positions_from_mask(attention_mask))
         mask = _causal_padding_mask(attention_mask, S)
@@ -174,9 +204,13 @@ class FastDecoder:
         h = self.hidden(layers, units[:, :-1], cos, sin, mask, prefix=(prefix_kv, index))
         return torch.cat([first[:, None], self.logits(h)], 1)
 
+    def stepper(self, max_len: int) -> _StaticCacheStepper:
+        """A `sample_tokens` stepper over sequences of at most `max_len` (prompt + completion)."""
+        return _StaticCacheStepper(self, max_len)
+
     @torch.no_grad()
     def sample(self, input_ids, attention_mask, **kwargs) -> SampleOutput:
-        stepper = _StaticCacheStepper(self, max_len=input_ids.shape[1] + kwargs["max_new_tokens"])
+        stepper = self.stepper(input_ids.shape[1] + kwargs["max_new_tokens"])
         return sample_tokens(self.model, input_ids, attention_mask, stepper=stepper, **kwargs)
 
 
@@ -203,6 +237,14 @@ def completion_logprobs(model, fast: FastDecoder | None, prompt_ids: torch.Tenso
     return token_logprobs(logits, units[:, start:], suppress.to(logits.device), with_entropy)
 
 
+def _plain_projections(body) -> bool:
+    """Every projection of every layer is a plain `nn.Linear` (LoRA and quantised wrappers are not)."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return all(type(getattr(part, n, None)) is torch.nn.Linear
+               for layer in body.layers for part, ns in ((layer.self_attn, names[:4]), (layer.mlp, names[4:]))
+               for n in ns)
+
+
 def _causal_padding_mask(attention_mask: torch.Tensor, S: int) -> torch.Tensor:
     device = attention_mask.device
     causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
@@ -225,20 +267,19 @@ class _StaticCacheStepper:
         self.max_len = max_len
         self.layers = dec.fused_layers()  # rebuilt per sampling call: always the latest weights
         self.step_layers = [_transposed(L) for L in self.layers]
-        self.lm_head_t = (dec.model.model.norm.weight[:, None] * dec.model.lm_head.weight.t()).contiguous()
+        self.lm_head_t = (dec.body.norm.weight[:, None] * dec.model.lm_head.weight.t()).contiguous()
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _allocate(self, attention_mask: torch.Tensor, first_pos: torch.Tensor) -> None:
+        """Zeroed KV buffers for left-padded prompts `attention_mask` [B, P], and the rotary tables
+        of the generated tokens: row b's k-th token sits at position `first_pos[b] + k`."""
         d = self.dec
-        B, P = input_ids.shape
-        device = input_ids.device
-        dtype = d.model.model.embed_tokens.weight.dtype
+        B, P = attention_mask.shape
+        device = attention_mask.device
+        dtype = d.body.embed_tokens.weight.dtype
         self.k_cache = torch.zeros(len(self.layers), B, d.n_kv, self.max_len, d.head_dim, dtype=dtype, device=device)
         self.v_cache = torch.zeros_like(self.k_cache)
-        # Prompt positions skip the left padding; generated tokens continue from the last one.
-        prompt_pos = positions_from_mask(attention_mask)
-        pos = torch.cat([prompt_pos, prompt_pos[:, -1:] + torch.arange(1, self.max_len - P + 1, device=device)], 1)
-        cos, sin = d.rope(pos)  # [B, 1, T, D]
-        self.step_cos = cos.permute(2, 0, 1, 3).contiguous()  # [T, B, 1, D]: one `select` per step
+        cos, sin = d.rope(first_pos[:, None] + torch.arange(self.max_len - P, device=device))  # [B, 1, T - P, D]
+        self.step_cos = cos.permute(2, 0, 1, 3).contiguous()  # [T - P, B, 1, D]: one `select` per step
         self.step_sin = sin.permute(2, 0, 1, 3).contiguous()
         # Additive key mask: -inf on left padding, 0 elsewhere (generated keys are always valid).
         key_bias = torch.zeros(B, 1, self.max_len, dtype=dtype, device=device)
@@ -248,10 +289,30 @@ class _StaticCacheStepper:
         # `narrow` to read the prefix, no copies.
         self.k_layers = list(self.k_cache.view(len(self.layers), B * d.n_kv, self.max_len, d.head_dim).unbind(0))
         self.v_layers = list(self.v_cache.view(len(self.layers), B * d.n_kv, self.max_len, d.head_dim).unbind(0))
-        self.cur = P
-        h = d.hidden(self.layers, input_ids, cos[:, :, :P], sin[:, :, :P], _causal_padding_mask(attention_mask, P),
+        self.prompt_len = self.cur = P
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        d = self.dec
+        P = input_ids.shape[1]
+        # Prompt positions skip the left padding; generated tokens continue from the last one.
+        prompt_pos = positions_from_mask(attention_mask)
+        self._allocate(attention_mask, prompt_pos[:, -1] + 1)
+        cos, sin = d.rope(prompt_pos)
+        h = d.hidden(self.layers, input_ids, cos, sin, _causal_padding_mask(attention_mask, P),
                      cache=(self.k_cache, self.v_cache), start=0)
         return d.logits(h[:, -1]).float()
+
+    def load_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]], attention_mask: torch.Tensor,
+                    first_pos: torch.Tensor) -> None:
+        """Decode after a prompt that another forward ran (a VLM's, with its vision inputs): `kv`
+        holds each layer's rotated keys and values `[n, Hkv, P, D]` of n contexts, whose B / n
+        rows are adjacent in `attention_mask` [B, P]; row b's first generated token sits at
+        position `first_pos[b]`. The caller keeps the prompt's last logits."""
+        self._allocate(attention_mask, first_pos)
+        P = attention_mask.shape[1]
+        for i, (k, v) in enumerate(kv):  # each context broadcast over its rows: no repeated copy
+            self.k_cache[i, :, :, :P].unflatten(0, (k.shape[0], -1)).copy_(k.unsqueeze(1))
+            self.v_cache[i, :, :, :P].unflatten(0, (v.shape[0], -1)).copy_(v.unsqueeze(1))
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         d = self.dec
@@ -260,9 +321,9 @@ class _StaticCacheStepper:
         B = tokens.shape[0]
         nq, nkv, hd = d.n_heads, d.n_kv, d.head_dim
         group = nq // nkv
-        cos, sin = self.step_cos[t], self.step_sin[t]  # [B, 1, D]
+        cos, sin = self.step_cos[t - self.prompt_len], self.step_sin[t - self.prompt_len]  # [B, 1, D]
         bias = self.key_bias.narrow(2, 0, t + 1)
-        h = d.model.model.embed_tokens.weight[tokens]
+        h = d.body.embed_tokens.weight[tokens]
         for L, k_buf, v_buf in zip(self.step_layers, self.k_layers, self.v_layers):
             qkv = _project(_rms_norm(h, None, d.eps), L["qkv_t"], L["qkv_b"]).view(B, nq + 2 * nkv, hd)
             qk, v = qkv.split([nq + nkv, nkv], 1)

@@ -16,7 +16,10 @@ What makes sampled and teacher-forced log-probs agree (tests/test_qwen_vl_policy
 
 Vision inputs are ragged (a flat `[patches, D]` tensor per image), so the rollout keeps them as
 per-sample lists (`Rollout.extras` list values), shared by the G samples of a context. Sampling
-prefills each context once and repeats its KV cache for the G samples.
+prefills each context once with the HF forward (vision + prompt) and repeats its KV cache for the G
+samples. Every later token is text, whose mRoPE is plain RoPE at its position, so the lean
+static-cache decoder of the text policies (`fast_decode.FastDecoder`) takes over from there; the HF
+forward decodes where that decoder does not apply (LoRA, an unknown text decoder, `fast_decode=False`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from mmrl.policies.base import TextPolicyBase, apply_lora, checkpoint_dir, sampling_settings
+from mmrl.policies.fast_decode import FastDecoder
 from mmrl.rollout import Rollout, sample_tokens, token_logprobs
 
 IMAGE_PLACEHOLDER = "<image>"  # where a prompt places an image (EasyR1, Geometry3K, MathVerse layouts)
@@ -85,14 +89,18 @@ def vision_inputs(pixel_values: list[torch.Tensor], image_grid_thw: list[torch.T
 
 class VLStepper:
     """Next-token logits for `sample_tokens`: vision inputs and mRoPE positions at prefill, which runs
-    once per context (rows `::group_size` of the repeated prompts); the KV cache is then repeated."""
+    once per context (rows `::group_size` of the repeated prompts); the KV cache is then repeated.
+
+    With `lean` (a `FastDecoder` stepper) the prefill's keys and values go into its static cache and
+    it decodes the rest: the HF forward then runs once per sampling call, not once per token."""
 
     def __init__(self, model: nn.Module, mm_token_type_ids: torch.Tensor, vision: dict[str, torch.Tensor],
-                 group_size: int):
+                 group_size: int, lean=None):
         self.model = model
         self.mm_token_type_ids = mm_token_type_ids  # [n, P], one row per context
         self.vision = vision
         self.group_size = group_size
+        self.lean = lean
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         G = self.group_size
@@ -100,15 +108,22 @@ class VLStepper:
         pos = rope_positions(self.model, ids, attn, self.mm_token_type_ids, self.vision.get("image_grid_thw"))
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=self.mm_token_type_ids,
                          use_cache=True, logits_to_keep=1, **self.vision)
+        # Text after the prompt continues at max(position) + 1 on every axis (get_rope_index's rule).
+        self.next_pos = (pos.amax(dim=(0, 2)) + 1).repeat_interleave(G)
+        logits = out.logits[:, -1, :].float().repeat_interleave(G, 0)
+        if self.lean is not None:
+            kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+            self.lean.load_prefix(kv, attention_mask, self.next_pos)
+            return logits
         self.past = out.past_key_values
         if G > 1:
             self.past.batch_repeat_interleave(G)
         self.attn = attention_mask
-        # Text after the prompt continues at max(position) + 1 on every axis (get_rope_index's rule).
-        self.next_pos = (pos.amax(dim=(0, 2)) + 1).repeat_interleave(G)
-        return out.logits[:, -1, :].float().repeat_interleave(G, 0)
+        return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean.step(tokens)
         # Tokens fed after a row's EOS come after all its real tokens; causal attention keeps them
         # away from anything trained, so they can stay attendable.
         self.attn = torch.cat([self.attn, self.attn.new_ones(self.attn.shape[0], 1)], dim=1)
@@ -124,7 +139,7 @@ class QwenVLPolicy(TextPolicyBase):
     def __init__(self, model: nn.Module, processor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  max_new_tokens: int = 16, image_key: str = "frame", prompt_key: str = "prompt",
                  target_key: str = "target", target_join: str = " ", system_prompt: str | None = None,
-                 min_image_tokens: int | None = None, max_image_tokens: int | None = None):
+                 min_image_tokens: int | None = None, max_image_tokens: int | None = None, fast_decode: bool = True):
         super().__init__(model, processor.tokenizer, processor=processor, temperature=temperature, top_k=top_k,
                          top_p=top_p, max_new_tokens=max_new_tokens)
         self.image_key = image_key
@@ -141,6 +156,8 @@ class QwenVLPolicy(TextPolicyBase):
         if not self.eos_token_ids:
             raise ValueError("the tokenizer has no eos_token and the model's generation_config no eos_token_id")
         self.suppress_token_ids = self._suppressed_ids()
+        # The lean decoder for the generated text (None: the HF forward decodes, e.g. under LoRA).
+        self._fast = FastDecoder.maybe(model) if fast_decode else None
 
     def _image_size_kwargs(self, min_tokens: int | None, max_tokens: int | None) -> dict[str, int]:
         """Processor overrides that resize each image to between min and max LM tokens (None: the
@@ -199,7 +216,8 @@ class QwenVLPolicy(TextPolicyBase):
             _rope_owner(model).visual.requires_grad_(False)
         # The default LoRA targets (q_proj, ...) name only language-model layers.
         model = apply_lora(model, m).to(device)
-        return cls(model, processor, **sampling_settings(cfg.sampling), **params)
+        return cls(model, processor, **sampling_settings(cfg.sampling), fast_decode=m.fast_decode and m.lora_rank == 0,
+                   **params)
 
     @staticmethod
     def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32):
@@ -270,8 +288,9 @@ class QwenVLPolicy(TextPolicyBase):
 
     def _generate(self, enc, rows, group_size, kwargs):
         """Prefill each context once (`VLStepper`), then its KV cache serves the G samples."""
+        lean = self._fast.stepper(rows["prompt_ids"].shape[1] + kwargs["max_new_tokens"]) if self._fast else None
         stepper = VLStepper(self.model, enc["mm_token_type_ids"],
-                            vision_inputs(enc["pixel_values"], enc["image_grid_thw"]), group_size)
+                            vision_inputs(enc["pixel_values"], enc["image_grid_thw"]), group_size, lean=lean)
         return sample_tokens(self.model, rows["prompt_ids"], rows["prompt_mask"], stepper=stepper, **kwargs)
 
     # ------------------------------------------------------------------ teacher forcing
