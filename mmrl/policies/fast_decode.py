@@ -64,9 +64,10 @@ class FastDecoder:
         cfg = self.body.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        # The attention module's own head_dim: Qwen2(.5)-VL's is hidden_size / heads whatever the config says.
+        # The attention module's own head_dim: Qwen2(.5)-VL's is hidden_size / heads, whatever the config says.
         attn = self.body.layers[0].self_attn
-        self.head_dim = getattr(attn, "head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.head_dim = getattr(attn, "head_dim", None) or getattr(cfg, "head_dim", None) or \
+            cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.qk_norm = cfg.model_type in _QK_NORM_TYPES
         self.mrope = cfg.model_type in VL_TEXT_MODEL_TYPES
