@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmarks (bench/gpu_planning.py, gpu_vla.py, gpu_caption.py) as one prepared command
+# The GPU benchmarks (bench/gpu_planning.py, gpu_vla.py, gpu_caption.py, gpu_vlm.py) as one prepared command
 # for the `device` tool's machine: one H200 with torch 2.11 + CUDA, no network, 64 MiB carried.
 #
 #   bash bench/gpu_session.sh fetch     # here, after the last code change: fills .whl/ and .gl/
@@ -84,12 +84,14 @@ case "$mode" in
     bench planning_maze 180 bench/gpu_planning.py --envs maze --minutes 1.25 --out /tmp/gpu_planning
     bench vla_tabletop 110 bench/gpu_vla.py --env tabletop --steps 2 --output-dir /tmp/gpu_vla
     bench caption 90 bench/gpu_caption.py --steps 2 --out /tmp/gpu_caption
+    bench vlm 150 bench/gpu_vlm.py --steps 2
     gather ;;
   smoke)
     mkdir -p "$OUT"
     bench planning 300 bench/gpu_planning.py --smoke --out "$OUT/planning"
     bench vla_tabletop 300 bench/gpu_vla.py --smoke --output-dir "$OUT/vla"
     bench caption 300 bench/gpu_caption.py --smoke --out "$OUT/caption"
+    bench vlm 300 bench/gpu_vlm.py --smoke
     gather ;;
   *) echo "usage: bash bench/gpu_session.sh fetch | run | smoke" >&2; exit 2 ;;
 esac
