@@ -60,7 +60,8 @@ def test_gpu_session_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "exited with" not in proc.stdout, proc.stdout[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert sorted(results) == ["caption", "planning", "vla_tabletop"]
+    assert sorted(results) == ["caption", "planning", "vla_tabletop", "vlm"]
+    assert results["vlm"]["rollout_tokens_per_s"] > 0 and results["vlm"]["update_tokens_per_s"] > 0
     planning = results["planning"]["results"]
     assert [r["env"] for r in planning] == ["frozenlake", "maze"]
     for r in planning:
