@@ -302,15 +302,23 @@ def judge_answer(ctx: dict, answer: str, judge: MathJudge) -> str:
 
 
 class _Counting(Reward):
-    """A reward counting the outcome of each reply of its last call."""
+    """A reward counting the outcome of each reply of its last call: a subclass scores one reply
+    in `_one(context, reply)` (counting its outcome) and resets any other per-call state in `_reset`."""
 
     REASONS: tuple[str, ...] = ()
 
     def __init__(self):
-        self.counts = dict.fromkeys(self.REASONS, 0)
+        self._reset()
 
     def _reset(self) -> None:
         self.counts = dict.fromkeys(self.REASONS, 0)
+
+    def _one(self, ctx: dict, text: str) -> float:
+        raise NotImplementedError
+
+    def __call__(self, contexts: list[dict], outputs: list[str]) -> torch.Tensor:
+        self._reset()
+        return torch.tensor([self._one(c, o) for c, o in zip(contexts, outputs, strict=True)], dtype=torch.float32)
 
     def _count(self, reason: str) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
@@ -337,15 +345,11 @@ class AnswerAccuracy(_Counting):
         super().__init__()
         self.answer_format, self.judge = answer_format, MathJudge(timeout_s)
 
-    def __call__(self, contexts: list[dict], outputs: list[str]) -> torch.Tensor:
-        self._reset()
-        rewards = []
-        for ctx, text in zip(contexts, outputs, strict=True):
-            ans = extract_answer(text, self.answer_format)
-            verdict = "no_answer_tag" if ans is None else judge_answer(ctx, ans, self.judge)
-            self._count(verdict)
-            rewards.append(float(verdict == "correct"))
-        return torch.tensor(rewards, dtype=torch.float32)
+    def _one(self, ctx: dict, text: str) -> float:
+        ans = extract_answer(text, self.answer_format)
+        verdict = "no_answer_tag" if ans is None else judge_answer(ctx, ans, self.judge)
+        self._count(verdict)
+        return float(verdict == "correct")
 
 
 @register_reward("format")
@@ -388,14 +392,10 @@ class Format(_Counting):
             return "out_of_order"
         return "ok" if self._FULL.fullmatch(text) else "text_outside_tags"
 
-    def __call__(self, contexts: list[dict], outputs: list[str]) -> torch.Tensor:
-        self._reset()
-        rewards = []
-        for text in outputs:
-            reason = self.check(text)
-            self._count(reason)
-            rewards.append(float(reason == "ok"))
-        return torch.tensor(rewards, dtype=torch.float32)
+    def _one(self, ctx: dict, text: str) -> float:
+        reason = self.check(text)
+        self._count(reason)
+        return float(reason == "ok")
 
 
 _NUM = r"(-?\d+(?:\.\d+)?)"
@@ -439,7 +439,11 @@ class IoU(_Counting):
         if not 0.0 <= float(threshold) <= 1.0:
             raise ConfigError(f"iou.threshold must be in [0, 1], got {threshold}")
         super().__init__()
-        self.threshold, self.answer_format, self.ious = float(threshold), answer_format, []
+        self.threshold, self.answer_format = float(threshold), answer_format
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.ious: list[float] = []
 
     def _one(self, ctx: dict, text: str) -> float:
         gold = ctx.get("bbox")
@@ -462,12 +466,6 @@ class IoU(_Counting):
         self.ious.append(iou)
         return float(iou >= self.threshold) if self.threshold > 0 else iou
 
-    def __call__(self, contexts: list[dict], outputs: list[str]) -> torch.Tensor:
-        self._reset()
-        self.ious = []
-        rewards = [self._one(c, o) for c, o in zip(contexts, outputs, strict=True)]
-        return torch.tensor(rewards, dtype=torch.float32)
-
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), "mean_iou": sum(self.ious) / len(self.ious) if self.ious else 0.0}
 
@@ -484,24 +482,24 @@ class Length(_Counting):
         if not 0 <= int(target_chars) < int(max_chars):
             raise ConfigError(f"length: need 0 <= target_chars < max_chars, got {target_chars}, {max_chars}")
         super().__init__()
-        self.target, self.max, self.mean_chars = int(target_chars), int(max_chars), 0.0
+        self.target, self.max = int(target_chars), int(max_chars)
 
-    def __call__(self, contexts: list[dict], outputs: list[str]) -> torch.Tensor:
-        self._reset()
-        rewards, lengths = [], []
-        for text in outputs:
-            n = len(text) if isinstance(text, str) else 0
-            lengths.append(n)
-            if n > self.target:
-                self._count("over_target")
-            if n >= self.max:
-                self._count("at_max")
-            rewards.append(-min(1.0, max(0, n - self.target) / (self.max - self.target)))
-        self.mean_chars = sum(lengths) / len(lengths) if lengths else 0.0
-        return torch.tensor(rewards, dtype=torch.float32)
+    def _reset(self) -> None:
+        super()._reset()
+        self.lengths: list[int] = []
+
+    def _one(self, ctx: dict, text: str) -> float:
+        n = len(text) if isinstance(text, str) else 0
+        self.lengths.append(n)
+        if n > self.target:
+            self._count("over_target")
+        if n >= self.max:
+            self._count("at_max")
+        return -min(1.0, max(0, n - self.target) / (self.max - self.target))
 
     def metrics(self) -> dict[str, float]:
-        return {**super().metrics(), "mean_chars": self.mean_chars}
+        mean_chars = sum(self.lengths) / len(self.lengths) if self.lengths else 0.0
+        return {**super().metrics(), "mean_chars": mean_chars}
 
 
 # ---------------------------------------------------------------- R1-VL's StepGRPO rewards
@@ -595,6 +593,9 @@ class StepAccuracy(_Counting):
             raise ConfigError(f"step_accuracy.alpha must be >= 0, got {alpha}")
         super().__init__()
         self.alpha, self.answer_format, self.judge = float(alpha), answer_format, MathJudge(timeout_s)
+
+    def _reset(self) -> None:
+        super()._reset()
         self.ratios: list[float] = []
 
     def _one(self, ctx: dict, text: str) -> float:
@@ -612,12 +613,6 @@ class StepAccuracy(_Counting):
             ratio = match_key_steps(reasoning_text(text, self.answer_format), key_steps)[0] / len(key_steps)
             self.ratios.append(ratio)
         return float(verdict == "correct") + self.alpha * ratio
-
-    def __call__(self, contexts: list[dict], outputs: list[str]) -> torch.Tensor:
-        self._reset()
-        self.ratios = []
-        rewards = [self._one(c, o) for c, o in zip(contexts, outputs, strict=True)]
-        return torch.tensor(rewards, dtype=torch.float32)
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), "mean_match": sum(self.ratios) / len(self.ratios) if self.ratios else 0.0}
@@ -694,11 +689,7 @@ class StepValidity(_Counting):
                 return "out_of_order_steps"
         return verdict
 
-    def __call__(self, contexts: list[dict], outputs: list[str]) -> torch.Tensor:
-        self._reset()
-        rewards = []
-        for ctx, text in zip(contexts, outputs, strict=True):
-            verdict = self.check(ctx, text)
-            self._count(verdict)
-            rewards.append(float(verdict == "valid"))
-        return torch.tensor(rewards, dtype=torch.float32)
+    def _one(self, ctx: dict, text: str) -> float:
+        verdict = self.check(ctx, text)
+        self._count(verdict)
+        return float(verdict == "valid")
