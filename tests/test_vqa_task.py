@@ -10,7 +10,8 @@ import torch
 
 from mmrl.cli import main
 from mmrl.envs import make_task
-from mmrl.envs.vqa.task import blank_images, chance_accuracy, expected_calibration_error, stated_confidence
+from mmrl.envs.vqa.task import (blank_images, chance_accuracy, expected_calibration_error, misread_targets,
+                                stated_confidence)
 
 torch.set_num_threads(1)
 
@@ -35,6 +36,26 @@ def test_contexts_prompt_and_target(task):
     assert boxed.train[0]["target"].endswith(f"\\boxed{{{boxed.train[0]['answer']}}}")
     with pytest.raises(ValueError, match="answer_style: invalid value 'xml'; valid: tag, boxed"):
         make_task("vqa", seed=0, answer_style="xml")
+
+
+def test_misread_targets_swap_in_another_images_solution():
+    def ctx(problem, answer):
+        return {"problem": problem, "answer": answer, "target": f"{problem} -> {answer}"}
+
+    contexts = [ctx("q1", "1"), ctx("q1", "1"), ctx("q1", "2"), ctx("q2", "3"), ctx("q2", "3"), ctx("q3", "0")]
+    correct = [c["target"] for c in contexts]
+    # Every record drawn: those with a same-question record of another answer get its target;
+    # q2 (one answer only) and q3 (alone) keep theirs.
+    assert misread_targets(contexts, 0.999999, np.random.default_rng(0)) == 3
+    assert [c["target"] for c in contexts] == ["q1 -> 2", "q1 -> 2", "q1 -> 1"] + correct[3:]
+    assert [c["answer"] for c in contexts] == ["1", "1", "2", "3", "3", "0"]  # the reward still sees the truth
+
+    noisy = make_task("vqa", seed=0, n_train=400, n_test=4, n_ood=0, ood_difficulty=None, categories=["counting"],
+                      difficulties=[1], image_size=56, sft_noise=0.25)
+    wrong = np.mean([not c["target"].endswith(f"<answer>{c['answer']}</answer>") for c in noisy.train])
+    assert 0.15 < wrong < 0.3
+    with pytest.raises(ValueError, match=r"sft_noise must be in \[0, 1\).*got 1.0"):
+        make_task("vqa", seed=0, n_train=4, sft_noise=1.0)
 
 
 def test_stream_is_exactly_resumable(task):

@@ -10,6 +10,8 @@ Sources: `synthetic` (the procedural set of `mmrl.envs.vqa.synthetic`: train and
 and a harder level held out as `ood`), or `files` (`data_path` / `eval_path`: a local folder,
 parquet, JSON or JSONL read through `datasets`, with a `column_map` for other layouts), with
 `benchmark` naming a known evaluation layout (MathVista, MathVerse, Geometry3K, CLEVR-count).
+`sft_noise` gives that share of the SFT solutions a teacher's misreading (`misread_targets`), as
+distilled reasoning traces have; the reward still checks each record's own answer.
 
 `evaluate` adds what the mean reward does not say: accuracy per category and difficulty, format
 rate, reply length, mean@k and pass@k at the sampling temperature, the held-out harder level, the
@@ -69,6 +71,26 @@ def blank_images(context: dict[str, Any]) -> dict[str, Any]:
     return {**context, "images": [blank(x) for x in context["images"]]}
 
 
+def misread_targets(contexts: list[dict], share: float, rng: np.random.Generator) -> int:
+    """Give about `share` of the SFT targets a teacher's misreading, in place: the target of another
+    record with the same question and a different answer (a whole, self-consistent solution of the
+    wrong image). Distilled reasoning traces carry such errors; the verifiable reward (the record's
+    own `answer`) does not. Returns how many targets were replaced."""
+    by_problem: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(contexts):
+        if "target" in c:
+            by_problem[c["problem"]].append(i)
+    original = [c.get("target") for c in contexts]
+    replaced = 0
+    for i in np.flatnonzero(rng.random(len(contexts)) < share):
+        c = contexts[i]
+        others = [j for j in by_problem.get(c.get("problem"), ()) if str(contexts[j]["answer"]) != str(c["answer"])]
+        if "target" in c and others:
+            c["target"] = original[others[int(rng.integers(len(others)))]]
+            replaced += 1
+    return replaced
+
+
 def _open(path) -> np.ndarray:
     from PIL import Image
 
@@ -85,11 +107,13 @@ class VQATask(TaskBase):
                  column_map: dict[str, str] | None = None, image_root: str | None = None,
                  benchmark: str | None = None, answer_style: str = "tag", prompt_template: str | None = None,
                  min_pixels: int | None = None, max_pixels: int | None = None, eval_k: int = 4,
-                 blank_eval: bool = True):
+                 blank_eval: bool = True, sft_noise: float = 0.0):
         if source not in SOURCES:
             raise ValueError(f"task.params.source: invalid value {source!r}; valid: {', '.join(SOURCES)}")
         if answer_style not in ANSWER_STYLES:
             raise ValueError(f"task.params.answer_style: invalid value {answer_style!r}; valid: {', '.join(ANSWER_STYLES)}")
+        if not 0.0 <= sft_noise < 1.0:
+            raise ValueError(f"task.params.sft_noise must be in [0, 1) (the share of misread SFT solutions), got {sft_noise}")
         if eval_k < 0:
             raise ValueError(f"task.params.eval_k must be >= 0 (0 = no sampled evaluation), got {eval_k}")
         self.seed, self.answer_style, self.eval_k, self.blank_eval = int(seed), answer_style, int(eval_k), blank_eval
@@ -109,6 +133,8 @@ class VQATask(TaskBase):
         if not train and source == "synthetic":
             raise ValueError("task.params.n_train must be >= 1")
         self.train = [self.context(r) for r in train]
+        if sft_noise > 0:
+            misread_targets(self.train, sft_noise, np.random.default_rng([data_seed, 29]))
         self.test = [self.context(r) for r in test]
         self.ood = [self.context(r) for r in ood]
         self.cursor = 0
