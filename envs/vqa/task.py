@@ -84,8 +84,10 @@ def misread_targets(contexts: list[dict], share: float, rng: np.random.Generator
     replaced = 0
     for i in np.flatnonzero(rng.random(len(contexts)) < share):
         c = contexts[i]
-        others = [j for j in by_problem.get(c.get("problem"), ()) if str(contexts[j]["answer"]) != str(c["answer"])]
-        if "target" in c and others:
+        if "target" not in c:
+            continue
+        others = [j for j in by_problem[c["problem"]] if str(contexts[j]["answer"]) != str(c["answer"])]
+        if others:
             c["target"] = original[others[int(rng.integers(len(others)))]]
             replaced += 1
     return replaced
