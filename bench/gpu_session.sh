@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmarks (bench/gpu_planning.py, gpu_vla.py, gpu_caption.py, gpu_vlm.py) as one prepared command
+# The GPU benchmarks (bench/gpu_planning.py, gpu_vla.py, gpu_caption.py, gpu_vlm.py, gpu_video.py) as one prepared command
 # for the `device` tool's machine: one H200 with torch 2.11 + CUDA, no network, 64 MiB carried.
 #
 #   bash bench/gpu_session.sh fetch     # here, after the last code change: fills .whl/ and .gl/
@@ -21,7 +21,7 @@ PY=python3
 [ -x .venv/bin/python ] && [ "$mode" != run ] && PY=.venv/bin/python
 PY=${PYTHON:-$PY}
 # What the image lacks (or holds in another version) among the benches' imports.
-PACKAGES=(transformers tokenizers gymnasium farama-notifications mujoco glfw pyopengl etils qwen-vl-utils)
+PACKAGES=(transformers tokenizers gymnasium farama-notifications mujoco glfw pyopengl etils qwen-vl-utils diffusers)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
 fetch() {
@@ -85,6 +85,7 @@ case "$mode" in
     bench vla_tabletop 110 bench/gpu_vla.py --env tabletop --steps 2 --output-dir /tmp/gpu_vla
     bench caption 90 bench/gpu_caption.py --steps 2 --out /tmp/gpu_caption
     bench vlm 150 bench/gpu_vlm.py --steps 2
+    bench video 90 bench/gpu_video.py
     gather ;;
   smoke)
     mkdir -p "$OUT"
@@ -92,6 +93,7 @@ case "$mode" in
     bench vla_tabletop 300 bench/gpu_vla.py --smoke --output-dir "$OUT/vla"
     bench caption 300 bench/gpu_caption.py --smoke --out "$OUT/caption"
     bench vlm 300 bench/gpu_vlm.py --smoke
+    bench video 300 bench/gpu_video.py --smoke
     gather ;;
   *) echo "usage: bash bench/gpu_session.sh fetch | run | smoke" >&2; exit 2 ;;
 esac

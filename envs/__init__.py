@@ -22,6 +22,7 @@ LAZY_TASKS: dict[str, tuple[str, str]] = {
     "tabletop": ("mmrl.envs.tabletop.source", "robot"),
     "libero": ("mmrl.envs.libero.task", "libero"),
     "vqa": ("mmrl.envs.vqa.task", "vision"),
+    "video": ("mmrl.envs.video.task", "video"),
 }
 
 

@@ -23,6 +23,9 @@ Edges, and what we do about them:
 * eta = 0 makes std 0: the step is the ODE step and has no density. `sde_step` allows it (the mean is
   still right) but `gaussian_logprob` refuses a zero std.
 
+DanceGRPO (arXiv 2505.07818) uses the same reverse SDE with a constant noise level s = eta
+(`noise_schedule="constant"`): std = eta sqrt(-dt), drift term eta^2 / (2t) (x + (1 - t) v).
+
 Each denoising step is one decision "unit" for the loss registry: a rollout of K steps has units
 [B, K] with log-probs `sample_sde` returns and `recompute_logprobs` recomputes teacher-forced.
 """
@@ -34,9 +37,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+NOISE_SCHEDULES = ("flow_grpo", "constant")  # s = eta sqrt(t / (1 - t)) (Flow-GRPO), s = eta (DanceGRPO)
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, ...], t [B]) -> v [B, ...]
 
 __all__ = [
+    "NOISE_SCHEDULES",
     "flow_timesteps",
     "gaussian_logprob",
     "ode_step",
@@ -79,21 +84,28 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, dt: float | torch.Tensor) -> torc
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, t: float | torch.Tensor, dt: float | torch.Tensor, eta: float,
-             noise: torch.Tensor | None = None, generator: torch.Generator | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One Flow-GRPO SDE step from time t to t + dt: returns (x_next, mean, std).
+             noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
+             noise_schedule: str = "flow_grpo") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One reverse-SDE step from time t to t + dt: returns (x_next, mean, std).
 
-    `noise` (standard normal, shape of x) is drawn from `generator` when not given; `std` broadcasts
-    against x (a scalar or [B, 1, ...] tensor)."""
+    `noise_schedule` picks the noise level s (module docstring): "flow_grpo" or "constant"
+    (DanceGRPO). `noise` (standard normal, shape of x) is drawn from `generator` when not given;
+    `std` broadcasts against x (a scalar or [B, 1, ...] tensor)."""
     if eta < 0:
         raise ValueError(f"eta must be >= 0, got {eta}")
+    if noise_schedule not in NOISE_SCHEDULES:
+        raise ValueError(f"unknown noise_schedule {noise_schedule!r}; valid: {', '.join(NOISE_SCHEDULES)}")
     tt, dtt = _broadcast_time(t, x), _broadcast_time(dt, x)
     if bool((dtt >= 0).any()):
         raise ValueError("dt must be < 0: the sampler integrates from t = 1 (noise) to t = 0 (data)")
     one_minus_t = torch.maximum(1 - tt, -dtt)  # the t = 1 guard (module docstring)
-    s2 = eta ** 2 * tt / one_minus_t  # s^2
-    drift = v + (eta ** 2 / (2 * one_minus_t)) * (x + (1 - tt) * v)  # s^2 / (2t) written without 1/t
-    mean = x + drift * dtt
+    if noise_schedule == "flow_grpo":
+        s2 = eta ** 2 * tt / one_minus_t  # s^2
+        half_s2_over_t = eta ** 2 / (2 * one_minus_t)  # s^2 / (2t) written without 1/t
+    else:
+        s2 = torch.full_like(tt, eta ** 2)
+        half_s2_over_t = eta ** 2 / (2 * tt)  # steps start at t > 0, so no guard is needed
+    mean = x + (v + half_s2_over_t * (x + (1 - tt) * v)) * dtt
     std = (s2 * -dtt).sqrt()
     if noise is None:
         noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
@@ -136,7 +148,8 @@ def sample_ode(velocity_fn: VelocityFn, x_T: torch.Tensor, timesteps: torch.Tens
 
 
 def sample_sde(velocity_fn: VelocityFn, x_T: torch.Tensor, timesteps: torch.Tensor, eta: float,
-               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               generator: torch.Generator | None = None, noise_schedule: str = "flow_grpo"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample with the SDE: returns the states [B, K+1, ...] (x_T first, the sample last) and the
     per-step log-probs [B, K] of each transition. Runs under the caller's grad mode; a sampler
     normally wraps it in `torch.no_grad()`."""
@@ -145,14 +158,15 @@ def sample_sde(velocity_fn: VelocityFn, x_T: torch.Tensor, timesteps: torch.Tens
     for k in range(timesteps.numel() - 1):
         t, t_next = timesteps[k], timesteps[k + 1]
         v = velocity_fn(x, _time_batch(t, x.shape[0], x))
-        x, mean, std = sde_step(x, v, float(t), float(t_next - t), eta, generator=generator)
+        x, mean, std = sde_step(x, v, float(t), float(t_next - t), eta, generator=generator,
+                                noise_schedule=noise_schedule)
         logps.append(gaussian_logprob(x, mean, std))
         states.append(x)
     return torch.stack(states, 1), torch.stack(logps, 1)
 
 
 def recompute_logprobs(velocity_fn: VelocityFn, states: torch.Tensor, timesteps: torch.Tensor, eta: float,
-                       batched: bool = False) -> torch.Tensor:
+                       batched: bool = False, noise_schedule: str = "flow_grpo") -> torch.Tensor:
     """Teacher-forced log-probs [B, K] of the transitions states[:, k] -> states[:, k+1], with the
     gradient flowing through `velocity_fn`.
 
@@ -169,13 +183,14 @@ def recompute_logprobs(velocity_fn: VelocityFn, states: torch.Tensor, timesteps:
         x = states[:, :-1].reshape(B * K, *states.shape[2:])
         t_rows, dt_rows = t.repeat(B).to(x.dtype), dt.repeat(B).to(x.dtype)
         v = velocity_fn(x, t_rows)
-        _, mean, std = sde_step(x, v, t_rows, dt_rows, eta, noise=torch.zeros_like(x))
+        _, mean, std = sde_step(x, v, t_rows, dt_rows, eta, noise=torch.zeros_like(x), noise_schedule=noise_schedule)
         x_next = states[:, 1:].reshape(B * K, *states.shape[2:])
         return gaussian_logprob(x_next, mean, std).view(B, K)
     out = []
     for k in range(K):
         x = states[:, k]
         v = velocity_fn(x, _time_batch(t[k], B, x))
-        _, mean, std = sde_step(x, v, float(t[k]), float(dt[k]), eta, noise=torch.zeros_like(x))
+        _, mean, std = sde_step(x, v, float(t[k]), float(dt[k]), eta, noise=torch.zeros_like(x),
+                                noise_schedule=noise_schedule)
         out.append(gaussian_logprob(states[:, k + 1], mean, std))
     return torch.stack(out, 1)

@@ -449,7 +449,9 @@ class Trainer:
         loss.backward()
         for w in windows:
             window_scores = self.score_units(part, masked, w)
-            sum(((window_scores[k] * scores[k].grad[:, w]).sum() for k in trained)).backward()
+            term = sum(((window_scores[k] * scores[k].grad[:, w]).sum() for k in trained))
+            if term.requires_grad:  # a policy may skip a window of untrained units (no graph)
+                term.backward()
         return loss.item(), metrics
 
     def certainty_weights(self, rollout: Rollout, masked: Rollout, mask: torch.Tensor,

@@ -66,12 +66,55 @@ def local_inputs(tmp_path_factory):
             made["geometry3k"] = str(root / "geometry3k.parquet")
         return made["geometry3k"]
 
+    def tiny_video() -> str:
+        """A diffusers-Wan-pipeline-like folder: a tiny causal Wan on a tiny AutoencoderKLWan's latents."""
+        if "video" not in made:
+            from mmrl.envs.video.task import read_prompt_file
+            from mmrl.policies.video.configuration import VideoGenConfig
+            from mmrl.policies.video.modeling import VideoGenPolicy, build_tiny_parts
+
+            train, test = read_prompt_file(str(Path(__file__).parent.parent / "configs/prompts/video_prompts.txt"), 0)
+            prompts = [p if isinstance(p, str) else p.prompt for p in train]
+            parts = build_tiny_parts(prompts, chunk_frames=3, latent=True, patch_size=(1, 2, 2), local_window=2,
+                                     sink_chunks=1)
+            VideoGenPolicy(*parts[:3], VideoGenConfig(chunk_frames=3), num_frames=9, height=32, width=32,
+                           vae=parts[3]).save(root / "video")
+            made["video"] = str(root / "video")
+        return made["video"]
+
+    def tiny_clip() -> str:
+        if "clip" not in made:
+            from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+            from mmrl.tiny import build_tokenizer
+
+            tok = build_tokenizer([ln for ln in (Path(__file__).parent.parent / "configs/prompts/video_prompts.txt")
+                                   .read_text().splitlines() if not ln.startswith("#")], vocab_size=300)
+            cfg = CLIPConfig(text_config={"vocab_size": len(tok), "hidden_size": 16, "intermediate_size": 32,
+                                          "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64,
+                                          "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id},
+                             vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                            "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+                             projection_dim=8)
+            CLIPModel(cfg).save_pretrained(root / "clip")
+            CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                             crop_size={"height": 32, "width": 32}),
+                          tokenizer=tok).save_pretrained(root / "clip")
+            made["clip"] = str(root / "clip")
+        return made["clip"]
+
     def overrides(path) -> list[str]:
         raw = read_config_file(Path(path))
         model, task = raw.get("model", {}), raw.get("task", {})
         out = []
         if model.get("source") == "pretrained" and model.get("policy") == "qwen_vl":
             out += [f"model.path={tiny_qwen_vl()}", "model.dtype=float32", "sampling.max_new_tokens=16"]
+        if model.get("source") == "pretrained" and model.get("policy") == "video_gen":
+            out += [f"model.path={tiny_video()}", "model.dtype=float32", "task.params.num_frames=9",
+                    "task.params.image_size=32", "model.params.text_max_length=16"]
+        for i, r in enumerate(raw.get("rewards", [])):
+            if r.get("name") == "clip_score":
+                out += [f"rewards.{i}.params.path={tiny_clip()}", f"rewards.{i}.params.device=cpu"]
         if task.get("name") == "vqa" and task.get("params", {}).get("source") == "files":
             data = geometry3k_parquet()
             out += [f"task.params.data_path={data}", f"task.params.eval_path={data}",

@@ -212,7 +212,7 @@ def test_shape_errors():
 
 
 def test_unknown_name_and_params():
-    with pytest.raises(AlgorithmError, match=r"unknown advantage 'grop'; valid: dr_grpo, gae, grpo, mapo, passk"):
+    with pytest.raises(AlgorithmError, match=r"unknown advantage 'grop'; valid: dr_grpo, gae, grpo, kvpo_anchor, mapo, passk"):
         compute_advantages("grop", T([1.0]), T([0]))
     with pytest.raises(AlgorithmError, match="norm_by_std") as e:
         compute_advantages("grpo", T([1.0]), T([0]), norm_by_std=True)

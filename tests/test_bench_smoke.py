@@ -60,7 +60,8 @@ def test_gpu_session_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "exited with" not in proc.stdout, proc.stdout[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert sorted(results) == ["caption", "planning", "vla_tabletop", "vlm"]
+    assert sorted(results) == ["caption", "planning", "video", "vla_tabletop", "vlm"]
+    assert results["video"]["rollout_chunks_per_s"] > 0 and results["video"]["update_steps_per_s"] > 0
     assert results["vlm"]["rollout_tokens_per_s"] > 0 and results["vlm"]["update_tokens_per_s"] > 0
     planning = results["planning"]["results"]
     assert [r["env"] for r in planning] == ["frozenlake", "maze"]
@@ -121,3 +122,14 @@ def test_gpu_vlm_bench_smoke():
                 "update_s"):
         assert result[key] > 0, key
     assert 0 <= result["mfu"] < 1 and 0 <= result["rollout_mfu"] < 1
+
+
+def test_video_rollout_bench_smoke():
+    """The cached streaming loop and the history-recomputing loop make the same video; the JSON
+    line carries the ratio."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "video_rollout.py"), "--smoke"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["max_abs_diff"] < 1e-4
+    assert result["speedup"] == pytest.approx(result["cached_chunks_per_s"] / result["recompute_chunks_per_s"], rel=1e-6)

@@ -169,6 +169,7 @@ def test_a_typo_in_any_component_of_a_shipped_config_is_one_line(path, capsys, m
     monkeypatch.setattr(mmrl.cli, "run_training", not_at_load)
     local = local_inputs(path)
     cfg = load_config(path, local)
+    capsys.readouterr()  # what building the stand-in inputs printed is not the CLI's output
     typos = [("task.params.bogus_key=1", "task.params"), ("model.params.bogus_key=1", "model.params"),
              ("algo.loss_params.bogus_key=1", "algo.loss_params"),
              ("algo.advantage_params.bogus_key=1", "algo.advantage_params")]

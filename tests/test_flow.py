@@ -47,6 +47,21 @@ def test_logprob_is_the_normal_density_summed():
         sde_step(x, v, 0.5, 0.1, eta=0.7)
 
 
+def test_constant_noise_schedule_is_dancegrpo_step():
+    # DanceGRPO: std = eta sqrt(-dt); mean = x + [v + eta^2 / (2t) (x + (1 - t) v)] dt, by hand at
+    # x = 1, v = 2, t = 0.5, dt = -0.25, eta = 0.4: mean = 1 + [2 + 0.16 (1 + 1)] (-0.25) = 0.42.
+    x, v = torch.ones(1, 1), torch.full((1, 1), 2.0)
+    _, mean, std = sde_step(x, v, 0.5, -0.25, eta=0.4, noise_schedule="constant")
+    assert torch.allclose(mean, torch.tensor([[0.42]])) and torch.allclose(std, torch.tensor(0.2))
+    # Flow-GRPO at the same point: s^2 = 0.16 * 0.5 / 0.5 = 0.16, the same drift here, std 0.2 too;
+    # at t = 0.6 the two differ (s^2 = 0.16 * 0.6 / 0.4 = 0.24 vs 0.16).
+    _, _, std_fg = sde_step(x, v, 0.6, -0.25, eta=0.4)
+    _, _, std_c = sde_step(x, v, 0.6, -0.25, eta=0.4, noise_schedule="constant")
+    assert torch.allclose(std_fg, torch.tensor(0.06).sqrt()) and torch.allclose(std_c, torch.tensor(0.2))
+    with pytest.raises(ValueError, match="unknown noise_schedule 'dance'; valid: flow_grpo, constant"):
+        sde_step(x, v, 0.5, -0.25, eta=0.4, noise_schedule="dance")
+
+
 class TinyVelocity(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -84,12 +99,14 @@ def _gaussian_velocity(mu: float, s0: float):
     return v
 
 
-def test_sde_keeps_the_marginals_on_a_gaussian():
+@pytest.mark.parametrize("schedule", ["flow_grpo", "constant"])
+def test_sde_keeps_the_marginals_on_a_gaussian(schedule):
     mu, s0, n, K = 1.5, 0.4, 40_000, 50
     v = _gaussian_velocity(mu, s0)
     ts = flow_timesteps(K)
     x_T = torch.randn(n, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    states, logp = sample_sde(v, x_T, ts, eta=0.8, generator=torch.Generator().manual_seed(1))
+    states, logp = sample_sde(v, x_T, ts, eta=0.8, generator=torch.Generator().manual_seed(1),
+                              noise_schedule=schedule)
     assert torch.isfinite(logp).all()
     for k in (10, 25, 40, K):  # intermediate marginals and the final one
         t = float(ts[k])

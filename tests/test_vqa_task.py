@@ -10,8 +10,8 @@ import torch
 
 from mmrl.cli import main
 from mmrl.envs import make_task
-from mmrl.envs.vqa.task import (blank_images, chance_accuracy, expected_calibration_error, misread_targets,
-                                stated_confidence)
+from mmrl.envs.vqa.task import (blank_images, chance_accuracy, expected_calibration_error, miscount_targets,
+                                misread_targets, stated_confidence)
 
 torch.set_num_threads(1)
 
@@ -56,6 +56,30 @@ def test_misread_targets_swap_in_another_images_solution():
     assert 0.15 < wrong < 0.3
     with pytest.raises(ValueError, match=r"sft_noise must be in \[0, 1\).*got 1.0"):
         make_task("vqa", seed=0, n_train=4, sft_noise=1.0)
+
+
+def test_miscount_targets_over_count_counting_solutions_only():
+    def ctx(category, answer, solution):
+        return {"category": category, "answer": answer, "target": f"<think>{solution}</think><answer>{answer}</answer>"}
+
+    contexts = [ctx("counting", "2", "red: 2. The answer is 2."),
+                ctx("counting", "0", "red: 1. red circles: 0. The answer is 0."),
+                ctx("spatial", "A", "red square: column 1. The answer is A."),
+                {"category": "counting", "answer": "1", "target": "<think>circles: 1. The answer is 1.</think>\\boxed{1}"}]
+    assert miscount_targets(contexts, 1.0, np.random.default_rng(0)) == 3
+    assert [c["target"] for c in contexts] == [
+        "<think>red: 3. The answer is 3.</think><answer>3</answer>",
+        "<think>red: 1. red circles: 1. The answer is 1.</think><answer>1</answer>",  # the final tally only
+        "<think>red square: column 1. The answer is A.</think><answer>A</answer>",  # not a counting question
+        "<think>circles: 2. The answer is 2.</think>\\boxed{2}"]
+    assert [c["answer"] for c in contexts] == ["2", "0", "A", "1"]  # the reward still sees the truth
+
+    biased = make_task("vqa", seed=0, n_train=400, n_test=4, n_ood=0, ood_difficulty=None, categories=["counting"],
+                       difficulties=[1], image_size=56, sft_miscount=0.6)
+    over = np.mean([c["target"].endswith(f"<answer>{int(c['answer']) + 1}</answer>") for c in biased.train])
+    assert 0.5 < over < 0.7
+    with pytest.raises(ValueError, match=r"sft_miscount must be in \[0, 1\].*got 1.5"):
+        make_task("vqa", seed=0, n_train=4, sft_miscount=1.5)
 
 
 def test_stream_is_exactly_resumable(task):

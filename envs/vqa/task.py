@@ -93,6 +93,31 @@ def misread_targets(contexts: list[dict], share: float, rng: np.random.Generator
     return replaced
 
 
+_LAST_COUNT = re.compile(r": (\d+)\. The answer is (\d+)\.</think>")
+
+
+def miscount_targets(contexts: list[dict], share: float, rng: np.random.Generator) -> int:
+    """Give about `share` of the counting SFT targets a teacher's systematic over-count, in place:
+    the solution's final tally and its answer say one more than the image shows (as VLM teachers
+    that count the reference object or a cell twice do). A share above 1/2 makes "one more" the
+    SFT policy's most likely answer, an error that only the verifiable reward can correct. Returns
+    how many targets were changed."""
+    changed = 0
+    for i in np.flatnonzero(rng.random(len(contexts)) < share):
+        c = contexts[i]
+        if c.get("category") != "counting" or "target" not in c:
+            continue
+        m = _LAST_COUNT.search(c["target"])
+        if m is None or not m.group(1) == m.group(2) == str(c["answer"]):
+            continue
+        right, wrong = m.group(2), str(int(m.group(2)) + 1)
+        tail = c["target"][m.end():].replace(f"<answer>{right}</answer>", f"<answer>{wrong}</answer>", 1)
+        tail = tail.replace(f"\\boxed{{{right}}}", f"\\boxed{{{wrong}}}", 1)
+        c["target"] = f"{c['target'][:m.start()]}: {wrong}. The answer is {wrong}.</think>{tail}"
+        changed += 1
+    return changed
+
+
 def _open(path) -> np.ndarray:
     from PIL import Image
 
@@ -109,13 +134,16 @@ class VQATask(TaskBase):
                  column_map: dict[str, str] | None = None, image_root: str | None = None,
                  benchmark: str | None = None, answer_style: str = "tag", prompt_template: str | None = None,
                  min_pixels: int | None = None, max_pixels: int | None = None, eval_k: int = 4,
-                 blank_eval: bool = True, sft_noise: float = 0.0):
+                 blank_eval: bool = True, sft_noise: float = 0.0, sft_miscount: float = 0.0):
         if source not in SOURCES:
             raise ValueError(f"task.params.source: invalid value {source!r}; valid: {', '.join(SOURCES)}")
         if answer_style not in ANSWER_STYLES:
             raise ValueError(f"task.params.answer_style: invalid value {answer_style!r}; valid: {', '.join(ANSWER_STYLES)}")
         if not 0.0 <= sft_noise < 1.0:
             raise ValueError(f"task.params.sft_noise must be in [0, 1) (the share of misread SFT solutions), got {sft_noise}")
+        if not 0.0 <= sft_miscount <= 1.0:
+            raise ValueError(f"task.params.sft_miscount must be in [0, 1] (the share of over-counted SFT counting "
+                             f"solutions), got {sft_miscount}")
         if eval_k < 0:
             raise ValueError(f"task.params.eval_k must be >= 0 (0 = no sampled evaluation), got {eval_k}")
         self.seed, self.answer_style, self.eval_k, self.blank_eval = int(seed), answer_style, int(eval_k), blank_eval
@@ -137,6 +165,8 @@ class VQATask(TaskBase):
         self.train = [self.context(r) for r in train]
         if sft_noise > 0:
             misread_targets(self.train, sft_noise, np.random.default_rng([data_seed, 29]))
+        if sft_miscount > 0:
+            miscount_targets(self.train, sft_miscount, np.random.default_rng([data_seed, 31]))
         self.test = [self.context(r) for r in test]
         self.ood = [self.context(r) for r in ood]
         self.cursor = 0

@@ -34,6 +34,7 @@ from . import offline
 from .offline import dpo_loss, kto_loss, opd_advantages, rpo_loss
 from .perception import mask_patches, perception_kl
 from .calibration import certainty_token_weights, visual_certainty
+from . import kvpo  # noqa: F401  (registers the kvpo_anchor estimator; the KVPO functions live in mmrl.algos.kvpo)
 
 __all__ = [
     "AGG_MODES",

@@ -114,6 +114,26 @@ class PolicyBase:
         return disabled()
 
 
+class FlowPolicyBase(PolicyBase):
+    """What the flow-matching policies share (SmolVLA's action expert, the video generator): each
+    unit is a Gaussian SDE step (`mmrl.flow`) whose log-prob a subclass's
+    `_rollout_logprobs(model, rollout, window)` recomputes teacher-forced."""
+
+    def _rollout_logprobs(self, model: nn.Module, rollout: Rollout, window: slice | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def logprobs(self, rollout: Rollout, with_entropy: bool = False,
+                 units: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logp = self._rollout_logprobs(self.model, rollout, window=units)
+        # A Gaussian step's entropy does not depend on the policy's mean: report zeros (logged only).
+        return logp, (torch.zeros_like(logp) if with_entropy else None)
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        with self.reference_module() as ref:
+            return self._rollout_logprobs(ref, rollout)
+
+
 class TextPolicyBase(PolicyBase):
     """What the adapters that sample text tokens share (causal LM, Qwen-VL): sampling settings, the
     rollout around the sampler, teacher-forced log-probs of it, decode, SFT loss and save.

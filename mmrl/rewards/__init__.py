@@ -83,3 +83,4 @@ from mmrl.rewards import srpo  # noqa: E402,F401  (registers the robot rewards: 
 from mmrl.rewards.captioning import qa  # noqa: E402,F401  (registers the CapRL reward, caption_qa)
 from mmrl.rewards import vqa  # noqa: E402,F401  (registers the VQA rewards: answer_accuracy, format, iou, length, step_*)
 from mmrl.rewards import calibration  # noqa: E402,F401  (registers vl_calibration, VL-Calibration's decoupled confidence reward)
+from mmrl.rewards import video  # noqa: E402,F401  (registers the video rewards: video_colour, video_motion, video_smoothness, clip_score)

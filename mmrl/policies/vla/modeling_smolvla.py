@@ -38,7 +38,7 @@ from torch import nn
 
 from mmrl.envs.episodes import VectorEnvFactory, as_numpy, run_episodes, task_env_factory
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
-from mmrl.policies.base import PolicyBase
+from mmrl.policies.base import FlowPolicyBase
 from mmrl.policies.vla.configuration import (
     SMOLVLA_CONFIG_NAME,
     SMOLVLA_PARAMS,
@@ -153,7 +153,7 @@ def load_smolvla(path: str | Path, device: str = "cpu"):
 # ----------------------------------------------------------------------------- the adapter
 
 
-class SmolVLAPolicy(PolicyBase):
+class SmolVLAPolicy(FlowPolicyBase):
     """`model` is the lerobot SmolVLAPolicy (the trainable module); `config` the `model.params`
     (`SmolVLAConfig`: `eta` is the SDE noise level), keywords given as `params` override its fields."""
 
@@ -390,17 +390,6 @@ class SmolVLAPolicy(PolicyBase):
                                     noise=torch.zeros_like(x))
             out.append(gaussian_logprob(states[:, k + 1], mean, std))
         return torch.stack(out, 1)
-
-    def logprobs(self, rollout: Rollout, with_entropy: bool = False,
-                 units: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logp = self._rollout_logprobs(self.model, rollout, window=units)
-        # A Gaussian step's entropy does not depend on the policy's mean: report zeros (logged only).
-        return logp, (torch.zeros_like(logp) if with_entropy else None)
-
-    @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
-        with self.reference_module() as ref:
-            return self._rollout_logprobs(ref, rollout)
 
     # ------------------------------------------------------------------ SFT
 

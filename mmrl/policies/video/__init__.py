@@ -1,0 +1,1 @@
+"""Video generators (flow-matching text-to-video models) as policies."""
