@@ -70,14 +70,11 @@ def write_grid(path_stem: str | Path, rows: dict[str, list[np.ndarray]], prompts
 
 def report_checkpoint(cfg, task, policy, checkpoint, out=None, splits=None) -> Path:
     """The trainer's held-out evaluation of `checkpoint` (eval.json) and its videos (videos.gif / .png)."""
-    import torch
-
     from mmrl.envs.base import TaskBase
 
     written = TaskBase.evaluate_checkpoint(task, cfg, policy, checkpoint, out, splits)
-    contexts = task.eval_batch(min(cfg.train.eval_size, 8))
-    with torch.no_grad():
-        videos = policy.generate(contexts, generator=torch.Generator(device=policy.device).manual_seed(12345))
-    paths = write_grid(Path(written).parent / "videos", {"checkpoint": videos}, [c["prompt"] for c in contexts])
+    videos = task.eval_videos[-1]  # the evaluation above generated them (`VideoTask.evaluate`)
+    paths = write_grid(Path(written).parent / "videos", {"checkpoint": videos},
+                       [c["prompt"] for c in task.eval_batch(len(videos))])
     print(f"videos: {paths[0]}")
     return written

@@ -139,8 +139,6 @@ class VideoTask(TaskBase):
 def read_prompt_file(path: str, eval_prompts: int) -> tuple[list, list]:
     """(train, held-out) prompts of a text file, one per line: a `ClipSpec` where the line parses as
     a procedural prompt, else the text itself; the last `eval_prompts` lines are held out."""
-    from pathlib import Path
-
     from mmrl.envs.video.clips import ClipSpec
 
     file = Path(path)
