@@ -38,6 +38,12 @@ class TaskBase:
         """A domain metric beyond the mean held-out reward (logged as eval/<key>); none by default."""
         return {}
 
+    def evaluate_outputs(self, contexts: list, outputs: list) -> dict[str, float]:
+        """Metrics of the greedy held-out outputs the trainer's evaluation has just generated and
+        scored (logged as eval/<key>), for tasks whose generation is too costly to repeat; none by
+        default."""
+        return {}
+
     def summarize(self, results: dict[str, Any], out_dir: str, cpu_s: float | None = None) -> str:
         """Text `mmrl train` prints after the run (e.g. a before/after table); none by default."""
         return ""

@@ -55,7 +55,7 @@ def grid_frames(rows: dict[str, list[np.ndarray]], prompts: list[str]) -> list[n
 
 
 def write_grid(path_stem: str | Path, rows: dict[str, list[np.ndarray]], prompts: list[str], fps: int = 4) -> list[Path]:
-    """`<stem>.gif` (the grid animated over the frames) and `<stem>.png` (every frame side by side)."""
+    """`<stem>.gif` (the grid animated over the frames) and `<stem>.png` (the frames top to bottom)."""
     import imageio.v3 as iio
 
     frames = grid_frames(rows, prompts)
@@ -63,8 +63,8 @@ def write_grid(path_stem: str | Path, rows: dict[str, list[np.ndarray]], prompts
     stem.parent.mkdir(parents=True, exist_ok=True)
     gif, png = stem.with_suffix(".gif"), stem.with_suffix(".png")
     iio.imwrite(gif, np.stack(frames), duration=int(1000 / fps), loop=0)
-    strip = [np.concatenate([fr, np.full((fr.shape[0], 6, 3), 128, np.uint8)], 1) for fr in frames]
-    iio.imwrite(png, np.concatenate(strip, 1))
+    strip = [np.concatenate([fr, np.full((6, fr.shape[1], 3), 128, np.uint8)], 0) for fr in frames]
+    iio.imwrite(png, np.concatenate(strip, 0))
     return [gif, png]
 
 
@@ -73,8 +73,7 @@ def report_checkpoint(cfg, task, policy, checkpoint, out=None, splits=None) -> P
     from mmrl.envs.base import TaskBase
 
     written = TaskBase.evaluate_checkpoint(task, cfg, policy, checkpoint, out, splits)
-    videos = task.eval_videos[-1]  # the evaluation above generated them (`VideoTask.evaluate`)
-    paths = write_grid(Path(written).parent / "videos", {"checkpoint": videos},
-                       [c["prompt"] for c in task.eval_batch(len(videos))])
+    videos = task.eval_videos[-1]  # the evaluation above generated them (`VideoTask.evaluate_outputs`)
+    paths = write_grid(Path(written).parent / "videos", {"checkpoint": videos}, task.shown_prompts)
     print(f"videos: {paths[0]}")
     return written

@@ -234,10 +234,13 @@ class Trainer:
             rollout = self.policy.sample(contexts, group_size, generator=generator, temperature=temperature)
         return rollout.stamp_groups(group_size, first_group)
 
-    def score(self, rollout: Rollout, rewards: list[tuple[str, float, Reward]] | None = None) -> torch.Tensor:
+    def score(self, rollout: Rollout, rewards: list[tuple[str, float, Reward]] | None = None,
+              outputs: list | None = None) -> torch.Tensor:
         """Fill rollout.rewards with each reward component and their weighted "total"; `rewards`
-        defaults to the training rewards (whose state moves with training)."""
-        outputs = self.policy.decode(rollout)
+        defaults to the training rewards (whose state moves with training), `outputs` to the
+        rollout decoded."""
+        if outputs is None:
+            outputs = self.policy.decode(rollout)
         total = torch.zeros(len(rollout), device=self.device)
         for name, weight, reward in rewards or self.rewards:
             r = reward(rollout.contexts, outputs).to(self.device, torch.float32)
@@ -561,8 +564,10 @@ class Trainer:
         # rewards keep their state, so evaluating never changes what training sees.
         rewards = self.build_rewards()
         rollout = self.sample(contexts, 1, gen, temperature=0.0)
-        self.score(rollout, rewards)
+        outputs = self.policy.decode(rollout)
+        self.score(rollout, rewards, outputs)
         result = {f"eval/{k}": v.mean().item() for k, v in rollout.rewards.items()}
+        result.update({f"eval/{k}": v for k, v in self.task.evaluate_outputs(contexts, outputs).items()})
         result["eval/len_mean"] = rollout.lengths.float().mean().item()
         k = self.cfg.train.eval_samples
         if k > 0:

@@ -232,3 +232,35 @@ def test_make_dataset_errors(args, match):
     specs = all_specs() if specs is None else specs
     with pytest.raises(ValueError, match=match or r"n must be an int >= 1, got 0"):
         make_dataset(specs, n, seed)
+
+
+def test_recoloured_pretraining_clips_show_the_next_colour_under_the_same_prompt():
+    """sft_recolour: about that share of the clips is repainted in the palette's next colour with the
+    shape and motion untouched (every reward scores it as a clip of the next colour) and the
+    prompt unchanged; the others stay bit-identical; a bad share is one line."""
+    from dataclasses import replace
+
+    from mmrl.envs.video.clips import COLOURS, all_specs, make_dataset
+    from mmrl.envs.video.task import VideoTask, recolour_clips
+    from mmrl.rewards.video import video_colour, video_motion, video_smoothness
+
+    clips, specs = make_dataset(list(all_specs()), 200, 0)
+    original = clips.copy()
+    picked = recolour_clips(clips, specs, 0.6, np.random.default_rng(0))
+    assert 0.5 < picked.mean() < 0.7
+    assert np.array_equal(clips[~picked], original[~picked])
+    prompted = [{"spec": s} for s in specs]
+    shown = [{"spec": replace(s, colour=COLOURS[(COLOURS.index(s.colour) + 1) % len(COLOURS)])} for s in specs]
+    assert video_colour(prompted, clips)[picked].max() == 0.0
+    assert video_colour(prompted, clips)[~picked].min() > 0.99
+    for reward in (video_colour, video_motion):
+        assert reward(shown, clips)[picked].min() > 0.99
+    assert np.allclose(video_smoothness(shown, clips)[picked], video_smoothness(prompted, original)[picked], atol=0.02)
+    red = next(i for i in np.flatnonzero(picked) if specs[i].colour == "red")
+    assert (clips[red].reshape(-1, 3) == (40, 200, 60)).all(1).any()  # solid red pixels became solid green
+
+    task = VideoTask(n_sft=40, sft_recolour=1.0)
+    batch = task.sft_batch(8, np.random.default_rng(0))
+    assert video_colour(batch, np.stack([c["target"] for c in batch])).max() == 0.0
+    with pytest.raises(ValueError, match="sft_recolour must be a share in \\[0, 1\\], got 1.5"):
+        VideoTask(sft_recolour=1.5)

@@ -81,6 +81,30 @@ def test_timestep_subsampling_trains_a_share_of_the_steps_and_skips_the_rest(tmp
         policy.sample(task.next_batch(2), 3, torch.Generator().manual_seed(4)).mask, rollout.mask)
 
 
+def test_sde_only_on_the_trained_steps_takes_ode_steps_elsewhere(tmp_path):
+    """sde_only_trained (Flow-GRPO-Fast): the untrained steps are exact ODE steps, so rows of one
+    prompt that share their noise before the first trained step are identical there; the trained
+    steps' sampled log-probs are the recompute's."""
+    from mmrl.flow import ode_step
+
+    task, policy = small_policy(tmp_path, "model.params.train_fraction=0.5", "model.params.sde_only_trained=true")
+    rollout = policy.sample(task.next_batch(2), 3, torch.Generator().manual_seed(2))
+    C = policy.num_chunks
+    trained = rollout.mask.view(6, 4, C)[0, :, 0]
+    assert int(trained.sum()) == 2
+    states, text = rollout.extras["states"], rollout.extras["text"]
+    ts = policy.timesteps.tolist()
+    assert bool((rollout.logp_old.view(6, 4, C)[:, ~trained] == 0).all())
+    assert bool((rollout.logp_old.view(6, 4, C)[:, trained] != 0).all())
+    with torch.no_grad():  # every untrained step of the last chunk is the ODE step from its state
+        for j in torch.nonzero(~trained).flatten().tolist():
+            v = policy.model.forward_teacher_forced(states[:, -1], states[:, j], torch.full((6, C), ts[j]), text)
+            expected = ode_step(states[:, j], v, ts[j + 1] - ts[j])
+            torch.testing.assert_close(states[:, j + 1, :, -1:], expected[:, :, -1:], atol=1e-4, rtol=1e-4)
+    recomputed, _ = policy.logprobs(rollout)
+    assert torch.allclose(recomputed[rollout.mask], rollout.logp_old[rollout.mask], atol=2e-3, rtol=1e-5)
+
+
 @pytest.mark.parametrize("loss", ["grpo", "gspo"])
 def test_per_step_update_equals_the_one_pass_update(tmp_path, loss):
     cfg = small_cfg(tmp_path, f"algo.loss={loss}", "algo.beta=0.05")
@@ -273,3 +297,24 @@ def test_a_latent_generator_samples_and_pretrains_through_a_tiny_wan_vae(tmp_pat
     with pytest.raises(ValueError, match="num_frames - 1 must be a multiple of 4"):
         small_policy(tmp_path / "bad", "model.params.tiny.latent=true", "task.params.num_frames=8",
                      "task.params.image_size=32")
+
+
+def test_an_evaluation_generates_the_held_out_videos_once(tmp_path, monkeypatch):
+    """The task's metrics (temporal consistency, the grid's videos) come from the videos the
+    trainer's greedy evaluation generated and scored, not from a second generation."""
+    from mmrl.rewards.video import temporal_consistency
+
+    task, policy = small_policy(tmp_path)
+    trainer = Trainer(small_cfg(tmp_path), policy, task)
+    calls, decoded = [], []
+    denoise, decode = policy.denoise, policy.decode
+    monkeypatch.setattr(policy, "denoise", lambda *a, **k: calls.append(1) or denoise(*a, **k))
+    monkeypatch.setattr(policy, "decode", lambda r: decoded.append(decode(r)) or decoded[-1])
+    result = trainer.evaluate()
+    assert len(calls) == 1 and len(decoded) == 1  # one generation, decoded once
+    videos = decoded[-1]
+    assert len(videos) == 4
+    assert result["eval/temporal_consistency"] == pytest.approx(float(np.mean(temporal_consistency(videos))))
+    assert len(task.eval_videos[-1]) == 4 and all(np.array_equal(a, b) for a, b in zip(task.eval_videos[-1], videos))
+    assert task.shown_prompts == [c["prompt"] for c in task.eval_batch(4)]
+    assert task.shown_rows(96) == [0, 14, 27, 41, 54, 68, 81, 95]  # spread over the prompt list

@@ -10,6 +10,12 @@ e.g. for a real generator scored by `clip_score`; the last `eval_prompts` lines 
 verifiable rewards and the pretraining clips need prompts in the procedural form ("a red square
 moves left quickly"): other prompts get `spec: None` and those rewards say so.
 
+`sft_recolour` gives the pretraining data a systematic colour confusion: that share of the clips
+shows the shape in the palette's next colour (red -> green -> blue -> yellow -> red) under the
+prompt's colour word (`recolour_clips`), as text-to-video models bind attributes to the wrong
+object or word. Above 1/2 the wrong colour becomes the pretrained generator's most likely one, an
+error only the verifiable colour reward can correct (the rewards always check the prompt).
+
 Held-out prompts: with `holdout` > 0 that many prompt specs (or that share of them) never appear in
 training (SFT or RL); with `holdout: 0` the held-out set is the training prompts under fixed,
 separate initial noise (the evaluation seeds its sampler), which is what "held-out" means for a
@@ -30,7 +36,7 @@ from mmrl.envs import TaskBase, register_task
 class VideoTask(TaskBase):
     def __init__(self, seed: int = 0, data_seed: int = 0, num_frames: int = 8, image_size: int = 16,
                  holdout: int | float = 0, n_sft: int = 2000, eval_repeats: int = 2, prompt_file: str | None = None,
-                 eval_prompts: int = 8):
+                 eval_prompts: int = 8, sft_recolour: float = 0.0):
         from mmrl.envs.video.clips import all_specs, split_specs
 
         if n_sft < 1:
@@ -47,12 +53,15 @@ class VideoTask(TaskBase):
         if not self.train_specs or not self.test_specs:
             raise ValueError(f"task.params.holdout={holdout!r} leaves no {'training' if not self.train_specs else 'held-out'} "
                              f"prompts out of {len(all_specs())}")
-        self.n_sft, self.eval_repeats = int(n_sft), int(eval_repeats)
+        if not 0.0 <= sft_recolour <= 1.0:
+            raise ValueError(f"task.params.sft_recolour must be a share in [0, 1], got {sft_recolour!r}")
+        self.n_sft, self.eval_repeats, self.sft_recolour = int(n_sft), int(eval_repeats), float(sft_recolour)
         self._sft_clips: np.ndarray | None = None  # built on first use: RL-only runs never pay for it
         self._sft_specs: list = []
         self.rng = np.random.default_rng([int(seed), 71])
         self.eval_videos: list[list[np.ndarray]] = []  # each evaluation's videos (same prompts and noise)
-        self.shown = 8  # videos per evaluation kept for the before / after grid
+        self.shown = 8  # videos per evaluation kept for the before / after grid ...
+        self.shown_prompts: list[str] = []  # ... and their prompts
         self.cursor, self._order = 0, self.rng.permutation(len(self.train_specs))
 
     @staticmethod
@@ -92,6 +101,9 @@ class VideoTask(TaskBase):
                                  f"task.params.prompt_file) is not one (form: 'a red square moves left quickly')")
             self._sft_clips, self._sft_specs = make_dataset(self.train_specs, self.n_sft, self.data_seed,
                                                             self.num_frames, self.image_size)
+            if self.sft_recolour > 0:
+                recolour_clips(self._sft_clips, self._sft_specs, self.sft_recolour,
+                               np.random.default_rng([self.data_seed, 73]))
         idx = rng.integers(len(self._sft_specs), size=n)
         return [{**self.context(self._sft_specs[i]), "target": self._sft_clips[i]} for i in idx]
 
@@ -102,17 +114,20 @@ class VideoTask(TaskBase):
         self.rng.bit_generator.state = state["rng"]
         self.cursor, self._order = int(state["cursor"]), np.asarray(state["order"])
 
-    def evaluate(self, policy, n: int) -> dict[str, float]:
-        """Temporal consistency of the held-out videos (the mean rewards are the trainer's)."""
-        import torch
-
+    def evaluate_outputs(self, contexts: list, outputs: list) -> dict[str, float]:
+        """Temporal consistency of the held-out videos the trainer's evaluation generated (its mean
+        rewards are the trainer's); `shown_rows` of them are kept for the before/after grid."""
         from mmrl.rewards.video import temporal_consistency
 
-        contexts = self.eval_batch(n)
-        with torch.no_grad():
-            videos = policy.generate(contexts, generator=torch.Generator(device=policy.device).manual_seed(12345))
-        self.eval_videos.append(videos[: self.shown])
-        return {"temporal_consistency": float(np.mean(temporal_consistency(videos)))}
+        rows = self.shown_rows(len(outputs))
+        self.eval_videos.append([outputs[i] for i in rows])
+        self.shown_prompts = [contexts[i]["prompt"] for i in rows]
+        return {"temporal_consistency": float(np.mean(temporal_consistency(outputs)))}
+
+    def shown_rows(self, n: int) -> list[int]:
+        """The rows of an n-video evaluation the grid shows: `shown` spread evenly over the prompt list
+        (neighbouring prompts differ only in direction or speed)."""
+        return sorted(set(np.linspace(0, n - 1, min(self.shown, n)).round().astype(int).tolist()))
 
     def summarize(self, results: dict[str, Any], out_dir: str, cpu_s: float | None = None) -> str:
         """Each held-out reward component and the temporal consistency, before -> after."""
@@ -125,8 +140,7 @@ class VideoTask(TaskBase):
 
             rows = {"before": self.eval_videos[0], "after": self.eval_videos[-1]} if len(self.eval_videos) > 1 \
                 else {"after": self.eval_videos[-1]}
-            prompts = [c["prompt"] for c in self.eval_batch(len(self.eval_videos[-1]))]
-            gif, _ = write_grid(Path(out_dir) / "videos_before_after", rows, prompts)
+            gif, _ = write_grid(Path(out_dir) / "videos_before_after", rows, self.shown_prompts)
             lines.append(f"{'videos':>24}: {gif}")
         return "".join(line + "\n" for line in lines)
 
@@ -134,6 +148,24 @@ class VideoTask(TaskBase):
         from mmrl.evals.video_eval import report_checkpoint
 
         return report_checkpoint(cfg, self, policy, checkpoint, output, splits)
+
+
+def recolour_clips(clips: np.ndarray, specs: list, share: float, rng: np.random.Generator) -> np.ndarray:
+    """Repaint about `share` of the clips (uint8 [N, F, H, W, 3], in place) in the palette colour
+    after their spec's: each pixel bg + a (c - bg) becomes bg + a (c' - bg), so the anti-aliased
+    coverage a, the shape and the motion are unchanged; the specs (the prompts) are not. Returns the
+    bool [N] of repainted clips."""
+    from mmrl.envs.video.clips import BACKGROUND, COLOURS, PALETTE
+
+    bg = np.asarray(BACKGROUND, np.float32)
+    picked = rng.random(len(specs)) < share
+    for i in np.flatnonzero(picked):
+        colour = specs[i].colour
+        u = np.asarray(PALETTE[colour], np.float32) - bg
+        new = np.asarray(PALETTE[COLOURS[(COLOURS.index(colour) + 1) % len(COLOURS)]], np.float32) - bg
+        a = np.clip(((clips[i].astype(np.float32) - bg) @ u) / (u @ u), 0.0, 1.0)[..., None]
+        clips[i] = np.clip(np.rint(bg + a * new), 0, 255).astype(np.uint8)
+    return picked
 
 
 def read_prompt_file(path: str, eval_prompts: int) -> tuple[list, list]:

@@ -30,6 +30,9 @@ class VideoGenConfig:
     # Flow-GRPO's timestep subsampling: this share of the denoising steps (at least one) is trained
     # per rollout, drawn afresh each rollout; the others carry no loss and cost no backward.
     train_fraction: float = 1.0
+    # Flow-GRPO-Fast / MixGRPO: the SDE noise only at the trained steps, the ODE at the others, so a
+    # group's reward differences come from the steps the update trains (and the rest stay clean).
+    sde_only_trained: bool = False
     guidance_scale: float = 1.0  # classifier-free guidance (1 = off); SFT drops the prompt cfg_dropout of the time
     cfg_dropout: float = 0.1
     text_max_length: int = 16  # prompt tokens (padded with zeros, as Wan's pipeline does)

@@ -248,13 +248,14 @@ class VideoGenPolicy(FlowPolicyBase):
         return slice(k * cf, (k + 1) * cf)
 
     def denoise(self, model: nn.Module, text: torch.Tensor, noise: torch.Tensor, eta: float,
-                generator: torch.Generator | None = None, route_groups: int = 0
+                generator: torch.Generator | None = None, route_groups: int = 0, sde_steps: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Generate from `noise` [B, C, F, H, W] chunk by chunk: returns the states [B, K+1, C, F, H, W]
         (noise first, the video last), the step log-probs [B, K * C] (zeros when eta = 0: the ODE) and
         bool [B, C], the chunks whose history was re-routed. Each chunk attends to the generator's
         context (`context_chunks`); with `route_groups` = G, rows come in groups of G whose first row
-        keeps it (the anchor) and the others re-route it (KVPO's causal history routing)."""
+        keeps it (the anchor) and the others re-route it (KVPO's causal history routing). `sde_steps`
+        (bool [K]) limits the SDE to those steps; the others take the ODE step."""
         B, K, C = noise.shape[0], self.config.num_steps, self.num_chunks
         ts = self.timesteps.tolist()
         states = noise.new_zeros(B, K + 1, *noise.shape[1:])
@@ -272,7 +273,7 @@ class VideoGenPolicy(FlowPolicyBase):
             for j in range(K):
                 v = self._guide(model.forward_chunk(self._rows(x), ts[j], cond, cache, k))
                 dt = ts[j + 1] - ts[j]
-                if eta > 0:
+                if eta > 0 and (sde_steps is None or bool(sde_steps[j])):
                     x, mean, std = sde_step(x, v, ts[j], dt, eta, generator=generator,
                                             noise_schedule=self.config.noise_schedule)
                     logp[:, j * C + k] = gaussian_logprob(x.float(), mean.float(), std.float())
@@ -331,14 +332,17 @@ class VideoGenPolicy(FlowPolicyBase):
         if self.config.exploration == "kv_routing" and temperature != 0:
             return self._sample_branches(contexts, rows, text, group_size, generator)
         eta = 0.0 if temperature == 0 else self.config.eta
+        K, C, N = self.config.num_steps, self.num_chunks, len(rows)
+        steps = self.trained_steps(generator) if eta > 0 and self.config.sde_only_trained else None
         was_training = self.model.training
         self.model.eval()
         try:
-            states, logp, _ = self.denoise(self.model, text, self.initial_noise(len(rows), generator), eta, generator)
+            states, logp, _ = self.denoise(self.model, text, self.initial_noise(N, generator), eta, generator,
+                                           sde_steps=steps)
         finally:
             self.model.train(was_training)
-        K, C, N = self.config.num_steps, self.num_chunks, len(rows)
-        steps = self.trained_steps(generator) if eta > 0 else torch.ones(K, dtype=torch.bool)
+        if steps is None:
+            steps = self.trained_steps(generator) if eta > 0 else torch.ones(K, dtype=torch.bool)
         mask = steps.repeat_interleave(C)[None].expand(N, K * C).to(self.device)
         return Rollout(units=torch.arange(K * C, device=self.device).expand(N, -1), logp_old=logp, mask=mask,
                        truncated=torch.zeros(N, dtype=torch.bool, device=self.device), max_units=K * C, contexts=rows,
