@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU benchmarks (bench/gpu_planning.py, gpu_vla.py, gpu_caption.py, gpu_vlm.py, gpu_video.py) as one prepared command
+# The GPU benchmarks (bench/gpu_planning.py, gpu_vla.py, gpu_caption.py, gpu_vlm.py, gpu_video.py, and
+# ddp_scaling.py --fsdp --device cuda where 2 GPUs are visible) as one prepared command
 # for the `device` tool's machine: one H200 with torch 2.11 + CUDA, no network, 64 MiB carried.
 #
 #   bash bench/gpu_session.sh fetch     # here, after the last code change: fills .whl/ and .gl/
@@ -86,6 +87,16 @@ case "$mode" in
     bench caption 90 bench/gpu_caption.py --steps 2 --out /tmp/gpu_caption
     bench vlm 150 bench/gpu_vlm.py --steps 2
     bench video 90 bench/gpu_video.py
+    # Multi-GPU training: 1 and 2 nccl ranks with the policy sharded by FSDP2 (ddp_scaling launches
+    # its own torchrun for each world size). A skip leaves a JSON line saying why.
+    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    if [ "${ngpu:-0}" -ge 2 ]; then
+      bench ddp_fsdp_gpu 150 bench/ddp_scaling.py --fsdp --device cuda
+    else
+      echo "== ddp_fsdp_gpu: skipped, a 2-process FSDP step needs 2 GPUs (${ngpu:-0} visible)"
+      echo "{\"skipped\": \"needs 2 GPUs, ${ngpu:-0} visible\"}" > "$OUT/ddp_fsdp_gpu.log"
+    fi
+    echo "== vllm rollout throughput: not built yet (mmrl has no vLLM engine yet); nothing to run"
     gather ;;
   smoke)
     mkdir -p "$OUT"

@@ -6,6 +6,11 @@ and renamed into place, so a crash mid-write never leaves a half checkpoint that
 `latest` is a small text file replaced atomically after the rename. `meta.json` records each
 file's size and SHA-256: loading checks them, names a damaged file, and a run directory resolves
 to its newest checkpoint that is whole.
+
+A run of several processes (torchrun) writes the sharded layout instead: `dcp/` holds the model
+and optimizer as torch.distributed.checkpoint shards (each rank writes its own, and DCP re-shards
+them on load into any number of ranks, one included), and `rank_R.pt` each rank's RNG states and
+replay buffer; the manifest and the atomic rename are the same.
 """
 
 from __future__ import annotations
@@ -113,10 +118,51 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, trai
     return final
 
 
+def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            trainer_state: dict[str, Any], dist, keep: int = 2) -> Path:
+    """`save_checkpoint` for a multi-process run; every rank calls it (`dist`: mmrl.distributed.Dist).
+    The folder is renamed into place by rank 0 only after every rank has written its part, so a rank
+    that dies mid-save leaves the previous checkpoint the newest whole one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from mmrl.distributed import barrier
+
+    ckpt_root = Path(run_dir) / "checkpoints"
+    final = ckpt_root / f"step_{step:06d}"
+    tmp = ckpt_root / f".tmp_step_{step:06d}_sharded"  # one name every rank agrees on
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(dist)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp / "dcp"))
+    torch.save({**trainer_state, "rank": dist.rank}, tmp / f"rank_{dist.rank}.pt")
+    barrier(dist)
+    if dist.is_main:
+        names = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+        files = {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": dist.world, "files": files}))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_text(ckpt_root / "latest", final.name)
+        old = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+        for p in old[:-keep] if keep > 0 else []:
+            shutil.rmtree(p, ignore_errors=True)
+    barrier(dist)
+    return final
+
+
+def is_sharded(path: Path) -> bool:
+    return (path / "dcp").is_dir()
+
+
 def verify_checkpoint(path: str | Path) -> None:
     """Raise CheckpointError naming the first missing or damaged file of the checkpoint at `path`."""
     path = Path(path)
-    missing = [n for n in (*CHECKPOINT_FILES, "meta.json") if not (path / n).is_file()]
+    required = ("meta.json", "rank_0.pt") if is_sharded(path) else (*CHECKPOINT_FILES, "meta.json")
+    missing = [n for n in required if not (path / n).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is missing {', '.join(missing)}; expected a step_NNNNNN "
                               f"directory or a run directory with checkpoints/")
@@ -125,6 +171,8 @@ def verify_checkpoint(path: str | Path) -> None:
     except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
         raise CheckpointError(f"checkpoint file {path / 'meta.json'} is damaged (not a JSON object)") from None
     for name, want in files.items():  # checkpoints written before manifests have none: nothing to check
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {name}, which was written at save time")
         size = (path / name).stat().st_size
         if size != want["size"]:
             raise CheckpointError(f"checkpoint file {path / name} is damaged: {size} bytes, "
@@ -171,9 +219,14 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
     return load_whole_checkpoint(resolve_checkpoint(path)[1], model)
 
 
-def load_whole_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+def load_whole_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                          rank: int = 0) -> dict[str, Any]:
     """`load_checkpoint` for a step directory already checked (by `verify_checkpoint`, `find_latest`
-    or `resolve_checkpoint`): hashing a large checkpoint twice is wasted time."""
+    or `resolve_checkpoint`): hashing a large checkpoint twice is wasted time. A sharded checkpoint
+    also loads `optimizer` when given, and returns rank `rank`'s trainer state (rank 0's, with its
+    "rank" saying so, when the saving run had fewer ranks)."""
+    if is_sharded(path):
+        return _load_sharded(path, model, optimizer, rank)
     try:
         state = load_file(str(path / "model.safetensors"))
     except Exception as exc:  # safetensors raises its own error types for a bad header or body
@@ -187,6 +240,31 @@ def load_whole_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, Any]:
         return torch.load(path / "trainer_state.pt", weights_only=False)
     except Exception as exc:
         raise CheckpointError(f"checkpoint file {path / 'trainer_state.pt'} is damaged: {_first_line(exc)}") from None
+
+
+def _load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  rank: int) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    try:
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(path / "dcp"))
+            set_model_state_dict(model, state["model"])
+        else:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optim_state}
+            dcp.load(state, checkpoint_id=str(path / "dcp"))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} does not load into this model: {_first_line(exc)}") from None
+    own = path / f"rank_{rank}.pt"
+    try:
+        return torch.load(own if own.is_file() else path / "rank_0.pt", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint file {own} is damaged: {_first_line(exc)}") from None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -13,13 +13,15 @@ from mmrl import build
 def run_training(cfg, resume: bool = True):
     """Build the task and policy of `cfg` and train; returns (task, results, process CPU-s of the
     training call, evaluations included)."""
+    from mmrl import distributed
     from mmrl.checkpoint import check_same_run
     from mmrl.trainer import Trainer
 
     if resume:  # before the (possibly long) build: a folder holding another run is refused at once
         check_same_run(cfg)
+    dist = distributed.setup(cfg.train.device, cfg.train.dist_timeout_s, cfg.train.fsdp)  # under torchrun
     task, policy = build(cfg)
-    trainer = Trainer(cfg, policy, task)
+    trainer = Trainer(cfg, policy, task, dist=dist)
     cpu0 = time.process_time()
     results = trainer.train(resume=resume)
     return task, results, time.process_time() - cpu0
@@ -30,6 +32,8 @@ def cmd_train(args) -> int:
 
     from mmrl.trainer import TrainingInterrupted
 
+    if args.nproc > 1:
+        return launch(args)
     cfg = load_config(args.config, args.overrides)
     try:
         task, results, cpu_s = run_training(cfg, resume=not args.no_resume)
@@ -38,6 +42,10 @@ def cmd_train(args) -> int:
         print(f"mmrl: {stop.signal_name} {stop.where}; checkpoint saved to {stop.checkpoint}. "
               f"Resume with the same command: {command}", file=sys.stderr)
         return 130
+    from mmrl import distributed
+
+    if not distributed.current().is_main:  # rank 0 reports for the run
+        return 0
     from mmrl.evals.report import write_report
 
     report = write_report(cfg.train.output_dir)
@@ -47,6 +55,27 @@ def cmd_train(args) -> int:
     print(task.summarize(results, cfg.train.output_dir, cpu_s=cpu_s), end="")  # e.g. planning's EM / PR table
     print(f"results: {Path(cfg.train.output_dir) / 'results.json'}  report: {report}")
     return 0
+
+
+def launch(args) -> int:
+    """`mmrl train CONFIG --nproc N`: the same command as N processes on this machine under torchrun
+    (several machines: run torchrun yourself, README.md, Scaling). A rank that fails or dies ends the
+    run; this says so in one line, after torchrun's report of each rank."""
+    import subprocess
+
+    from mmrl.checkpoint import find_latest
+    from mmrl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # a bad config fails here, once, not in N processes
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "--max-restarts=0", "-m", "mmrl.cli", "train", args.config, *args.overrides,
+           *(["--no-resume"] if args.no_resume else [])]
+    code = subprocess.call(cmd)
+    if code != 0:
+        latest = find_latest(cfg.train.output_dir)
+        print(f"mmrl: error: training with {args.nproc} processes failed (exit code {code}); each rank's error "
+              f"is above. Last complete checkpoint: {latest or 'none'}", file=sys.stderr)
+    return code
 
 
 def cmd_eval(args) -> int:
@@ -95,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.loss=gspo train.steps=20")
     p.add_argument("--no-resume", action="store_true", help="start fresh even if the output dir has a checkpoint")
+    p.add_argument("--nproc", type=int, default=1, help="train with N processes on this machine (torchrun; "
+                   "one per GPU, or CPU ranks with gloo)")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="evaluate a checkpoint on the task's held-out set")
     p.add_argument("config")

@@ -70,6 +70,15 @@ class SamplingConfig:
 
 
 @dataclass
+class RolloutConfig:
+    # Training-inference mismatch correction (mmrl.algos.correction): the behaviour log-probs are
+    # the engine's (Rollout.logp_beh) or, with train.recompute_old_logp, the sampler's own.
+    correction: str = "none"  # none | tis | mis
+    correction_level: str = "token"  # token | sequence (gspo, gmpo: sequence)
+    correction_cap: float = 2.0
+
+
+@dataclass
 class AlgoConfig:
     loss: str = "grpo"
     # None pairs the estimator with the loss: dr_grpo -> dr_grpo, everything else -> grpo.
@@ -162,6 +171,10 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     bf16: bool = True  # autocast on GPU only
     threads: int = 0  # torch.set_num_threads; 0 leaves the default
+    # Under torchrun (mmrl train --nproc N): shard the policy with FSDP2 instead of replicating it
+    fsdp: bool = False
+    # A collective that waits longer than this (a rank died or hangs) ends the run with an error
+    dist_timeout_s: float = 600.0
     # "" (the default): runs/<config file name>, plus the overrides that change the run (not those in
     # RUN_LENGTH_KEYS), e.g. runs/digit_sort_grpo+algo.loss=gspo; two different runs never share one
     output_dir: str = ""
@@ -182,6 +195,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -317,11 +331,17 @@ def config_from_dict(data: dict) -> RunConfig:
     return cfg
 
 
+# Policies whose every forward goes through module calls that FSDP2's hooks see (others have
+# functional fast paths over the raw weights).
+FSDP_POLICIES = ("causal_lm",)
+
 # Keys a run may change when it resumes: its length and how it reports. Any other difference from
 # the config a run folder was started with is another run (resume refuses it).
 RUN_LENGTH_KEYS = frozenset({
     "train.steps", "train.output_dir", "train.save_every", "train.eval_every", "train.log_every",
     "train.progress", "train.tensorboard", "train.wandb", "train.wandb_project", "train.threads",
+    # how the run is spread over processes: a checkpoint of N ranks resumes at M, sharded or not
+    "train.fsdp", "train.dist_timeout_s",
 })
 
 
@@ -455,6 +475,24 @@ def validate(cfg: RunConfig) -> None:
     _check(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
            f"train.device: invalid value {t.device!r}; valid: auto, cpu, cuda, cuda:N")
     _check(len(t.betas) == 2, f"train.betas must be two numbers, got {t.betas}")
+    _check(t.dist_timeout_s > 0, f"train.dist_timeout_s must be > 0, got {t.dist_timeout_s}")
+    if t.fsdp:  # FSDP needs the same forwards on every rank; these take a rank-dependent number
+        _check(cfg.model.policy in FSDP_POLICIES,
+               f"train.fsdp: model.policy {cfg.model.policy!r} runs replicated only (train.fsdp: false); "
+               f"FSDP2 sharding is built for: {', '.join(FSDP_POLICIES)}")
+        _check(t.unit_chunk == 0, f"train.fsdp does not support train.unit_chunk (got {t.unit_chunk}); set it to 0")
+        _check(a.guide_below is None, "train.fsdp does not support algo.guide_below; use replicate mode (train.fsdp: false)")
+    from mmrl.algos import CORRECTION_LEVELS, CORRECTIONS
+
+    r = cfg.rollout
+    _check(r.correction in CORRECTIONS,
+           f"rollout.correction: invalid value {r.correction!r}; valid: {', '.join(CORRECTIONS)}")
+    _check(r.correction_level in CORRECTION_LEVELS,
+           f"rollout.correction_level: invalid value {r.correction_level!r}; valid: {', '.join(CORRECTION_LEVELS)}")
+    _check(r.correction_cap > 1, f"rollout.correction_cap must be > 1, got {r.correction_cap}")
+    _check(r.correction == "none" or r.correction_level == "sequence" or not loss_spec.sequence_advantage,
+           f"rollout.correction_level: loss {cfg.algo.loss!r} needs one advantage per sequence; "
+           f"set rollout.correction_level: sequence")
     _check(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
     _check(0 < a.entropy_top_frac <= 1, f"algo.entropy_top_frac must be in (0, 1] (1 = every token), got {a.entropy_top_frac}")
     _check(a.overlong_cache_len < s.max_new_tokens or a.overlong_cache_len == 0,

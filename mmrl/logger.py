@@ -83,3 +83,25 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class SilentLogger(MetricsLogger):
+    """The logger of ranks other than 0 in a multi-process run: rank 0 logs for the run."""
+
+    def __init__(self):
+        self._repeats = {}
+
+    def log(self, metrics: dict[str, Any], step: int, prefix_step: str = "step") -> None:
+        pass
+
+    def warn(self, message: str, kind: str | None = None) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -31,6 +31,10 @@ class Rollout:
     # int [N]: rows with one id form a group. Policies return rows context-major (the G samples of
     # a context adjacent); the trainer stamps the ids (`stamp_groups`), the one place they are made.
     group_ids: torch.Tensor | None = None
+    # float [N, T]: an external engine's log-probs of the sampled units (vLLM), when they are not the
+    # trainer's; the behaviour policy of the mismatch correction (rollout.correction). None: the
+    # sampler's own, logp_old.
+    logp_beh: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.mask.shape[0]
@@ -61,6 +65,7 @@ class Rollout:
             truncated=take(self.truncated),
             max_units=self.max_units,
             group_ids=None if self.group_ids is None else take(self.group_ids),
+            logp_beh=None if self.logp_beh is None else take(self.logp_beh),
             contexts=[self.contexts[i] for i in idx_list] if self.contexts else [],
             extras={k: [v[i] for i in idx_list] if isinstance(v, list) else take(v) for k, v in self.extras.items()},
             rewards={k: take(v) for k, v in self.rewards.items()},
@@ -93,6 +98,8 @@ class Rollout:
                 out[f.name] = torch.cat([pad(v, 0) for v in vals])
             elif f.name == "logp_old":
                 out[f.name] = torch.cat([pad(v, 0.0) for v in vals])
+            elif f.name == "logp_beh":
+                out[f.name] = None if any(v is None for v in vals) else torch.cat([pad(v, 0.0) for v in vals])
             elif f.name == "max_units":
                 out[f.name] = max(vals)
             elif f.name == "group_ids":
@@ -106,6 +113,7 @@ class Rollout:
         return replace(
             self,
             group_ids=None if self.group_ids is None else mv(self.group_ids),
+            logp_beh=None if self.logp_beh is None else mv(self.logp_beh),
             units=mv(self.units),
             logp_old=mv(self.logp_old),
             mask=mv(self.mask),

@@ -7,6 +7,7 @@ and `model`, and a task only through `next_batch`, `eval_batch`, `sft_batch` and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -19,11 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl import algos
+from mmrl import algos, distributed
 from mmrl.checkpoint import (atomic_write_text, check_same_run, discard_run, find_latest, load_whole_checkpoint,
-                             resolve_checkpoint, rng_state, save_checkpoint, set_rng_state, write_run_config)
+                             resolve_checkpoint, rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state,
+                             write_run_config)
 from mmrl.config import RunConfig
-from mmrl.logger import MetricsLogger, say
+from mmrl.distributed import Dist
+from mmrl.logger import MetricsLogger, SilentLogger, say
 from mmrl.prompt_replay import PromptReplay
 from mmrl.rewards import Reward, build_reward
 from mmrl.rollout import Rollout
@@ -31,7 +34,9 @@ from mmrl.rollout import Rollout
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and distributed.launched():  # under torchrun: this rank's GPU
+        return torch.device("cuda", distributed.local_rank())
     return torch.device(name)
 
 
@@ -95,28 +100,36 @@ class StopRequest:
 
 # Loss terms normalised by the whole optimizer step: summed over its micro-batches, averaged over steps.
 SUMMED_TERMS = ("entropy", "kl_ref", "perception_kl", "entropy_masked")
+# Rank r's sampling generators are seeded seed + r * RANK_SEED_STRIDE (rank 0: the single-process seeds).
+RANK_SEED_STRIDE = 1_000_003
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, policy, task, log: MetricsLogger | None = None):
+    def __init__(self, cfg: RunConfig, policy, task, log: MetricsLogger | None = None, dist: Dist | None = None):
         self.cfg = cfg
         self.policy = policy
         self.task = task
         self.device = policy.device
         self.out_dir = Path(cfg.train.output_dir)
+        # One process unless launched by torchrun (then this rank's share; see mmrl.distributed)
+        self.dist = dist or distributed.current(cfg.train.fsdp)
         self.rewards = self.build_rewards()
         self.loss_spec = algos.get_loss_spec(cfg.algo.loss)
         self.loss_params = dict(cfg.algo.loss_params)
         self.agg = self.loss_params.get("agg") or self.loss_spec.default_agg
         self.advantage = cfg.algo.resolved_advantage()
+        if cfg.algo.beta > 0:
+            self.policy.enable_reference()
+        self.distribute_model()
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
         t = cfg.train
         self.optimizer = make_adamw(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         updates_per_step = t.ppo_epochs * t.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(t.warmup_steps * updates_per_step, t.steps * updates_per_step, t.min_lr_ratio))
-        self.sample_gen = torch.Generator(device=self.device).manual_seed(t.seed)
-        self.shuffle_gen = torch.Generator().manual_seed(t.seed + 1)
+        rank_seed = t.seed + RANK_SEED_STRIDE * self.dist.rank
+        self.sample_gen = torch.Generator(device=self.device).manual_seed(rank_seed)
+        self.shuffle_gen = torch.Generator().manual_seed(rank_seed + 1)
         self.step = 0
         self.group_offset = 0
         self.sft_done = cfg.sft.steps == 0
@@ -125,10 +138,11 @@ class Trainer:
         self.eval_history: list[dict[str, Any]] = []
         self.failed_contexts: list[Any] = []  # see collect
         self.replay = PromptReplay(cfg.algo.prompt_replay_size) if cfg.algo.prompt_replay > 0 else None
-        self.log = log or MetricsLogger(self.out_dir, tensorboard=t.tensorboard, wandb=t.wandb,
-                                        wandb_project=t.wandb_project, config=cfg.to_dict())
-        if cfg.algo.beta > 0:
-            self.policy.enable_reference()
+        if log is None:  # rank 0 logs for the run
+            log = (MetricsLogger(self.out_dir, tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
+                                 config=cfg.to_dict()) if self.dist.is_main else SilentLogger())
+        self.log = log
+        self.filler: Rollout | None = None  # FSDP: a row to pad a rank's batch with (see pad_rows)
         if cfg.algo.masks_images and not policy.can_mask_images:  # say so before SFT, not at the first update
             raise ValueError(f"algo.papo_gamma, algo.papo_entropy and algo.certainty_reweight need a policy whose "
                              f"rollouts carry images to mask (qwen_vl); {type(policy).__name__} cannot")
@@ -136,13 +150,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
+    def distribute_model(self) -> None:
+        """Under torchrun: shard the policy (and its reference) with FSDP2 when `train.fsdp`, else
+        start every replica from rank 0's weights."""
+        if not self.dist.active:
+            return
+        if self.dist.fsdp:
+            distributed.shard(self.policy.model, self.cfg.train.bf16)
+            if getattr(self.policy, "reference", None) is not None:
+                distributed.shard(self.policy.reference, self.cfg.train.bf16)
+        else:
+            distributed.broadcast_parameters(self.dist, self.policy.model)
+
+    def whole_model(self):
+        """The context in which ranks may run different numbers of forwards (see full_parameters)."""
+        if not self.dist.fsdp:
+            return contextlib.nullcontext()
+        return distributed.full_parameters(self.policy.model, getattr(self.policy, "reference", None))
+
+    def state_dict(self, with_optimizer: bool = True) -> dict[str, Any]:
+        """Everything but the weights; in a multi-process run, this rank's (the optimizer is saved
+        sharded beside it)."""
+        state = {
             "step": self.step,
             "group_offset": self.group_offset,
             "sft_done": self.sft_done,
             "sft_progress": self.sft_progress,
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state({"sample": self.sample_gen, "shuffle": self.shuffle_gen}),
             "task": self.task.state_dict(),
@@ -150,21 +183,35 @@ class Trainer:
             "replay": self.replay.state_dict() if self.replay is not None else None,
             "rewards": [reward.state_dict() for _, _, reward in self.rewards],
         }
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
 
     def save(self) -> Path:
+        if self.dist.active:
+            return save_sharded_checkpoint(self.out_dir, self.step, self.policy.model, self.optimizer,
+                                           self.state_dict(with_optimizer=False), self.dist)
         return save_checkpoint(self.out_dir, self.step, self.policy.model, self.state_dict())
 
     def resume(self, path: str | Path | None = None) -> Path | None:
-        """Load the checkpoint at `path` (default: the newest whole one of this run); returns its path."""
+        """Load the checkpoint at `path` (default: the newest whole one of this run); returns its path.
+        A checkpoint written by another number of ranks loads too: weights and optimizer are
+        re-sharded, the data cursor is global; a rank without its own saved RNG state starts new
+        sampling streams (so the continuation is not bit-exact, see README.md, Scaling)."""
         path = resolve_checkpoint(path)[1] if path else find_latest(self.out_dir)
         if path is None:
             return None
-        state = load_whole_checkpoint(path, self.policy.model)
+        state = load_whole_checkpoint(path, self.policy.model, optimizer=self.optimizer, rank=self.dist.rank)
         self.step, self.group_offset, self.sft_done = state["step"], state["group_offset"], state["sft_done"]
         self.sft_progress = state.get("sft_progress")
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], {"sample": self.sample_gen, "shuffle": self.shuffle_gen})
+        if state.get("rank") not in (None, self.dist.rank):  # another rank's streams: do not share them
+            rank_seed = self.cfg.train.seed + RANK_SEED_STRIDE * self.dist.rank + self.step
+            self.sample_gen.manual_seed(rank_seed)
+            self.shuffle_gen.manual_seed(rank_seed + 1)
         self.task.load_state_dict(state["task"])
         self.eval_history = state["eval_history"]
         if self.replay is not None and state.get("replay"):
@@ -173,6 +220,15 @@ class Trainer:
             reward.load_state_dict(reward_state)
         self.log.truncate_after(self.step)
         return Path(path)
+
+    def stop_requested(self) -> bool:
+        """A SIGINT / SIGTERM asks for a stop; under torchrun, on any rank (all stop at the same step)."""
+        asked = self.stop.signal_name is not None
+        if self.dist.active:
+            asked = bool(distributed.all_max(self.dist, int(asked)))
+            if asked and self.stop.signal_name is None:
+                self.stop.signal_name = "SIGTERM"
+        return asked
 
     def _stop_here(self, where: str) -> None:
         """Save a checkpoint and end training (after a SIGINT / SIGTERM, at a step boundary)."""
@@ -184,7 +240,8 @@ class Trainer:
         s = self.cfg.sft
         if self.sft_done or s.steps == 0:
             return
-        rng = np.random.default_rng(self.cfg.train.seed + 2)
+        # each rank its own batches; their gradients are averaged (data-parallel SFT)
+        rng = np.random.default_rng(self.cfg.train.seed + 2 + RANK_SEED_STRIDE * self.dist.rank)
         opt = make_adamw(self.params, lr=s.lr)
         floor = self.cfg.train.min_lr_ratio if s.lr_schedule == "cosine" else 1.0  # a floor of 1: constant after warmup
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(s.warmup_steps, s.steps, floor))
@@ -199,9 +256,9 @@ class Trainer:
         bar = _progress(range(start, s.steps), "sft", self.cfg.train.progress, total=s.steps, initial=start)
         cpu_start, done = time.process_time() - cpu_used, start
         for i in bar:
-            if s.max_cpu_s > 0 and time.process_time() - cpu_start >= s.max_cpu_s:
+            if s.max_cpu_s > 0 and distributed.all_max(self.dist, int(time.process_time() - cpu_start >= s.max_cpu_s)):
                 break
-            if self.stop.signal_name is not None:
+            if self.stop_requested():
                 self.sft_progress = {"step": i, "cpu_s": time.process_time() - cpu_start, "rng": rng.bit_generator.state,
                                      "optimizer": opt.state_dict(), "schedule": schedule.state_dict()}
                 self._stop_here(f"at SFT step {i} of {s.steps}")
@@ -209,6 +266,7 @@ class Trainer:
                 loss = self.policy.sft_loss(self.task.sft_batch(s.batch_size, rng))
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            distributed.average_gradients(self.dist, self.params)
             clip_grad_norm(self.params, self.cfg.train.grad_clip)
             opt.step()
             if hasattr(bar, "set_postfix"):
@@ -230,7 +288,7 @@ class Trainer:
     def sample(self, contexts: list[Any], group_size: int, generator: torch.Generator, first_group: int = 0,
                temperature: float | None = None) -> Rollout:
         """The policy's G samples per context, with group ids stamped (here, and nowhere else)."""
-        with self.autocast:
+        with self.autocast, self.whole_model():
             rollout = self.policy.sample(contexts, group_size, generator=generator, temperature=temperature)
         return rollout.stamp_groups(group_size, first_group)
 
@@ -270,12 +328,24 @@ class Trainer:
         filtering = cfg.algo.dynamic_sampling or cfg.algo.success_filter is not None
         parts, kept_groups, tries, stats = [], 0, 0, defaultdict(float)
         self.failed_contexts = []
-        while True:
+        for round_ in range(max(1, cfg.algo.max_sampling_tries)):
+            # With several ranks every rank takes part in every round (the draw is collective); a
+            # rank that has its groups samples nothing.
+            need = P if round_ == 0 or (filtering and kept_groups < P) else 0
+            if round_ > 0 and not filtering:
+                break
             t0 = time.perf_counter()
-            replayed = self.replay.draw(round(cfg.algo.prompt_replay * P)) if self.replay is not None else []
-            contexts = replayed + self.task.next_batch(P - len(replayed))
-            rollout = self.sample(contexts, G, self.sample_gen, first_group=self.group_offset)
-            self.group_offset += len(contexts)
+            replayed = self.replay.draw(round(cfg.algo.prompt_replay * need)) if self.replay is not None and need else []
+            drawn = self.draw_contexts(need - len(replayed), len(replayed), sampling=need > 0)
+            if drawn is None:  # no rank needs more
+                break
+            if not need:
+                continue
+            fresh, first_group = drawn
+            contexts = replayed + fresh
+            rollout = self.sample(contexts, G, self.sample_gen, first_group=first_group)
+            if self.dist.fsdp and self.filler is None:
+                self.filler = rollout.select(torch.arange(1, device=self.device))
             stats["time/sample"] += time.perf_counter() - t0
             stats["gen_tokens"] += float(rollout.mask.sum())
             t0 = time.perf_counter()
@@ -301,12 +371,10 @@ class Trainer:
             tries += 1
             if not filtering:
                 parts.append(rollout)
-                break
+                continue
             keep = self._keep_groups(rollout, informative)
             parts.append(rollout.select(keep))
             kept_groups += int(keep.sum()) // G
-            if kept_groups >= P or tries >= cfg.algo.max_sampling_tries:
-                break
         batch = Rollout.concat(parts)
         if cfg.algo.guide_below is not None:
             stats["guide/failed_groups"] = len(self.failed_contexts)
@@ -321,6 +389,23 @@ class Trainer:
                 batch = batch.select(torch.arange(P * G, device=self.device))
         return batch, dict(stats)
 
+    def draw_contexts(self, n_fresh: int, n_replayed: int, sampling: bool) -> tuple[list[Any], int] | None:
+        """This rank's `n_fresh` new contexts and the group id of its first context (its replayed
+        contexts come first), or None when no rank samples this round. Every rank draws the whole
+        round's contexts from the same stream (the task is seeded alike on every rank) and keeps its
+        own slice, so ranks see disjoint contexts, the data cursor is one for all ranks, and N ranks
+        draw what one process drawing their total would."""
+        counts = distributed.all_gather_ints(self.dist, [n_fresh, n_replayed, int(sampling)])
+        if not any(c[2] for c in counts):
+            return None
+        fresh = [c[0] for c in counts]
+        groups = [c[0] + c[1] for c in counts]
+        contexts = self.task.next_batch(sum(fresh))
+        start = sum(fresh[: self.dist.rank])
+        first_group = self.group_offset + sum(groups[: self.dist.rank])
+        self.group_offset += sum(groups)
+        return contexts[start: start + n_fresh], first_group
+
     # ------------------------------------------------------------------ update
 
     def advantages(self, rollout: Rollout) -> torch.Tensor:
@@ -334,16 +419,27 @@ class Trainer:
             keep = algos.gfpo_keep(rewards, rollout.group_ids, a.gfpo_keep, a.gfpo_metric, rollout.lengths)
             return algos.gfpo_advantages(rewards, rollout.group_ids, keep)
         params = dict(a.advantage_params)
-        if "mask" in algos.get_advantage_spec(self.advantage).params:  # token-weighted statistics
-            params["mask"] = rollout.mask
-        return algos.compute_advantages(self.advantage, rewards, rollout.group_ids, **params)
+        token_weighted = "mask" in algos.get_advantage_spec(self.advantage).params
+        # Under torchrun the estimator sees every rank's rows (its batch-level statistics are global)
+        # and each rank keeps its own; with one process, `mine` is every row.
+        (rewards, group_ids, mask), mine = distributed.gather_rows(
+            self.dist, [rewards, rollout.group_ids, rollout.mask])
+        if token_weighted:
+            params["mask"] = mask
+        adv = algos.compute_advantages(self.advantage, rewards, group_ids, **params)
+        if not self.dist.active:
+            return adv
+        return adv[mine, : rollout.mask.shape[1]] if adv.dim() == 2 else adv[mine]
 
     def _micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        if len(idx) == 0:
+            return []
         size = self.cfg.train.micro_batch_size or len(idx)
         return list(idx.split(size))
 
     def _optimizer_step(self) -> float:
-        """Clip the accumulated gradient, step the optimizer and the schedule; the pre-clip norm."""
+        """Average the gradient over ranks, clip it, step the optimizer and the schedule; the pre-clip norm."""
+        distributed.average_gradients(self.dist, self.params)
         grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -359,6 +455,21 @@ class Trainer:
                              f"{type(self.task).__name__}'s contexts lack {exc}") from None
         loss.backward()
         return loss.item()
+
+    def pad_rows(self, rollout: Rollout, adv: torch.Tensor) -> tuple[Rollout, torch.Tensor]:
+        """FSDP: pad this rank's rows to the most any rank has, with copies of a sampled row whose
+        units are all masked out (they add nothing to any loss term, normaliser or metric), so every
+        rank runs the same forwards and backwards."""
+        n_max = distributed.all_max(self.dist, len(rollout))
+        if len(rollout) == n_max:
+            return rollout, adv
+        source = rollout if len(rollout) else self.filler
+        filler = source.select(torch.zeros(n_max - len(rollout), dtype=torch.long, device=self.device))
+        filler.mask = torch.zeros_like(filler.mask)
+        filler.rewards = {k: v for k, v in filler.rewards.items() if k in rollout.rewards}
+        padded = Rollout.concat([rollout, filler]) if len(rollout) else filler
+        pad_adv = adv.new_zeros((n_max - len(rollout), *adv.shape[1:]))
+        return padded, torch.cat([adv, pad_adv])
 
     def unit_budget(self, rollout: Rollout) -> int:
         """The length constant of seq-mean-token-sum-norm and overlong shaping: the sampler's unit
@@ -457,6 +568,21 @@ class Trainer:
                 term.backward()
         return loss.item(), metrics
 
+    def correct_mismatch(self, rollout: Rollout, old_logp: torch.Tensor, mask: torch.Tensor,
+                         adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The advantages times the TIS / MIS weights of the behaviour policy (the engine's log-probs,
+        else the sampler's) against `old_logp`. The weights are >= 0 and detached, so for every
+        clipped loss this reweights each unit's loss term: min(r w A, clip(r) w A) = w min(r A, clip(r) A)."""
+        r = self.cfg.rollout
+        behaviour = rollout.logp_beh if rollout.logp_beh is not None else rollout.logp_old
+        weights, metrics = algos.mismatch_weights(old_logp, behaviour, mask, kind=r.correction,
+                                                  level=r.correction_level, cap=r.correction_cap)
+        if weights.dim() == 2 and adv.dim() == 1:
+            adv = adv[:, None]
+        elif weights.dim() == 1 and adv.dim() == 2:
+            weights = weights[:, None]
+        return adv * weights.to(adv.dtype), {f"correction/{k}": float(v) for k, v in metrics.items()}
+
     def certainty_weights(self, rollout: Rollout, masked: Rollout, mask: torch.Tensor,
                           adv: torch.Tensor) -> torch.Tensor:
         """VL-Calibration's token weights of the advantages [N, T] from the rollout's visual certainty."""
@@ -471,31 +597,41 @@ class Trainer:
         to the first optimizer step."""
         t, a = self.cfg.train, self.cfg.algo
         adv = self.advantages(rollout)
+        n_real = len(rollout)
+        if self.dist.fsdp:  # FSDP's collectives need the same number of forwards on every rank
+            rollout, adv = self.pad_rows(rollout, adv)
         mask = algos.mask_truncated(rollout.mask, rollout.truncated) if a.mask_truncated else rollout.mask
         old_logp = rollout.logp_old
-        if t.recompute_old_logp:
+        N = len(rollout)  # 0: a rank that kept no rows while others did (replicate mode); no forward
+        if t.recompute_old_logp and N:
             with torch.no_grad(), self.autocast:
                 old_logp = self.policy.logprobs(rollout)[0]
         ref_logp = None
-        if a.beta > 0:
+        if a.beta > 0 and N:
             with self.autocast:
                 ref_logp = self.policy.reference_logprobs(rollout)
         # One image mask per rollout, kept for every epoch of this update.
-        masked = self.policy.mask_images(rollout, a.mask_prob, self.sample_gen) if a.masks_images else None
-        if a.certainty_reweight > 0:
+        masked = self.policy.mask_images(rollout, a.mask_prob, self.sample_gen) if a.masks_images and N else None
+        if a.certainty_reweight > 0 and N:
             adv = adv[:, None] * self.certainty_weights(rollout, masked, mask, adv)
+        correction_metrics = {}
+        if self.cfg.rollout.correction != "none" and N:
+            adv, correction_metrics = self.correct_mismatch(rollout, old_logp, mask, adv)
         budget = self.unit_budget(rollout)
         sums: dict[str, float] = defaultdict(float)
         n_updates = 0
-        N = len(rollout)
         self.policy.model.train()
         for _ in range(t.ppo_epochs):
             order = torch.randperm(N, generator=self.shuffle_gen) if t.mini_batches > 1 else torch.arange(N)
             for mb in order.to(self.device).tensor_split(t.mini_batches):
-                if len(mb) == 0:
+                if len(mb) == 0 and not self.dist.active:  # with ranks, every rank steps the optimizer together
                     continue
-                # The normaliser of the whole optimizer step, so micro-batching never changes the gradient.
-                denom = algos.agg_denominator(mask[mb], self.agg, budget)
+                # The normaliser of the whole optimizer step (all its micro-batches, all ranks), so
+                # neither micro-batching nor the number of ranks changes the gradient. Divided by the
+                # world size because the ranks' gradients are averaged, not summed.
+                denom = algos.agg_denominator(mask[mb[mb < n_real]], self.agg, budget)
+                if self.dist.active:
+                    denom = distributed.all_sum(self.dist, denom) / self.dist.world
                 self.optimizer.zero_grad(set_to_none=True)
                 if guide_contexts and n_updates == 0:
                     sums["guide_loss"] += self.guidance_backward(guide_contexts)
@@ -511,27 +647,39 @@ class Trainer:
                             sums[k] = max(sums.get(k, v), v)
                         elif k.endswith("_min"):
                             sums[k] = min(sums.get(k, v), v)
-                        else:
-                            sums[k] += v * len(micro) / (N * t.ppo_epochs)  # row-weighted mean
+                        else:  # row-weighted mean (padding rows weigh nothing)
+                            sums[k] += v * int((micro < n_real).sum()) / (max(1, n_real) * t.ppo_epochs)
                 sums["grad_norm"] += self._optimizer_step()
                 n_updates += 1
         out = {f"train/{k}": v / max(1, n_updates) if k in ("loss", "grad_norm", *SUMMED_TERMS) else v
                for k, v in sums.items()}
+        out["train/lr"] = self.scheduler.get_last_lr()[0]
+        out.update(correction_metrics)
+        if n_real == 0:  # this rank kept no rows (others did): it only took part in the steps
+            return out
+        if n_real < N:  # drop the padding rows
+            rollout, adv = rollout.select(torch.arange(n_real, device=self.device)), adv[:n_real]
         out.update({
-            "adv/mean": adv.mean().item(), "adv/std": adv.std().item() if N > 1 else 0.0,
+            "adv/mean": adv.mean().item(), "adv/std": adv.std().item() if n_real > 1 else 0.0,
             "adv/min": adv.min().item(), "adv/max": adv.max().item(),
             "len/mean": rollout.lengths.float().mean().item(), "len/max": rollout.lengths.max().item(),
             "len/truncated_frac": rollout.truncated.float().mean().item(),
-            "train/lr": self.scheduler.get_last_lr()[0],
         })
         return out
 
     def train_step(self) -> dict[str, float]:
         rollout, stats = self.collect()
-        if len(rollout) == 0:
-            if self.failed_contexts:  # nothing for RL to learn from, but the guidance still applies
+        n_rows = len(rollout)
+        if self.dist.active:  # skip or update together
+            n_rows = int(distributed.all_sum(self.dist, torch.tensor(float(n_rows), device=self.device)))
+        if n_rows == 0:
+            n_failed = len(self.failed_contexts)
+            if self.dist.active:
+                n_failed = int(distributed.all_sum(self.dist, torch.tensor(float(n_failed), device=self.device)))
+            if n_failed:  # nothing for RL to learn from, but the guidance still applies
                 self.optimizer.zero_grad(set_to_none=True)
-                stats["train/guide_loss"] = self.guidance_backward(self.failed_contexts)
+                if self.failed_contexts:
+                    stats["train/guide_loss"] = self.guidance_backward(self.failed_contexts)
                 stats["train/grad_norm"] = self._optimizer_step()
                 return stats
             self.log.warn(f"step {self.step}: no group left after filtering; skipping the update",
@@ -549,9 +697,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Greedy decoding on the task's fixed held-out set; a task may add its own metrics."""
-        result = self._evaluate_rewards()
-        with self.autocast:
-            result.update({f"eval/{k}": v for k, v in self.task.evaluate(self.policy, self.cfg.train.eval_size).items()})
+        # Every rank evaluates the same held-out set (rank 0's result is logged).
+        with self.whole_model():
+            result = self._evaluate_rewards()
+            with self.autocast:
+                result.update({f"eval/{k}": v
+                               for k, v in self.task.evaluate(self.policy, self.cfg.train.eval_size).items()})
         return result
 
     def _evaluate_rewards(self) -> dict[str, float]:
@@ -589,10 +740,12 @@ class Trainer:
             torch.set_num_threads(t.threads)
         if resume:
             check_same_run(self.cfg)
-        elif discard_run(self.out_dir):
+        elif self.dist.is_main and discard_run(self.out_dir):
             say(f"starting afresh (no resume): discarded the previous run in {self.out_dir}")
+        distributed.barrier(self.dist)  # no rank looks for a checkpoint while rank 0 discards
         resumed_from = self.resume() if resume else None
-        write_run_config(self.cfg)
+        if self.dist.is_main:
+            write_run_config(self.cfg)
         if resumed_from is not None:
             at = (f"SFT step {self.sft_progress['step']} of {self.cfg.sft.steps}" if self.sft_progress
                   else f"step {self.step} of {t.steps}")
@@ -611,7 +764,7 @@ class Trainer:
             self.log.log(self.eval_history[-1], step=0)
         bar = _progress(range(self.step, t.steps), "grpo", t.progress, total=t.steps, initial=self.step)
         for _ in bar:
-            metrics = self.train_step()
+            metrics = distributed.reduce_metrics(self.dist, self.train_step())
             self.step += 1
             if self.step % t.log_every == 0:
                 self.log.log(metrics, step=self.step)
@@ -625,12 +778,15 @@ class Trainer:
                 bar.set_postfix(post)
             if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                 self.save()
-            if self.stop.signal_name is not None and self.step < t.steps:
+            if self.stop_requested() and self.step < t.steps:
                 self._stop_here(f"at step {self.step} of {t.steps}")
         if not self.eval_history or self.eval_history[-1]["step"] != self.step:
             self.eval_history.append(self.evaluate())
         ckpt = self.save()
-        self.policy.save(self.out_dir / "final")
+        with distributed.consolidated(self.dist, self.policy.model):  # the export one process would write
+            if self.dist.is_main:
+                self.policy.save(self.out_dir / "final")
+        distributed.barrier(self.dist)
         results = {
             "eval_before": self.eval_history[0],
             "eval_after": self.eval_history[-1],
@@ -638,7 +794,8 @@ class Trainer:
             "checkpoint": str(ckpt),
             "config": self.cfg.to_dict(),
         }
-        atomic_write_text(self.out_dir / "results.json", json.dumps(results, indent=2))
+        if self.dist.is_main:
+            atomic_write_text(self.out_dir / "results.json", json.dumps(results, indent=2))
         self.log.close()
         return results
 

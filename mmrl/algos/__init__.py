@@ -34,11 +34,14 @@ from . import offline
 from .offline import dpo_loss, kto_loss, opd_advantages, rpo_loss
 from .perception import mask_patches, perception_kl
 from .calibration import certainty_token_weights, visual_certainty
+from .correction import CORRECTIONS, CORRECTION_LEVELS, mismatch_weights
 from . import kvpo  # noqa: F401  (registers the kvpo_anchor estimator; the KVPO functions live in mmrl.algos.kvpo)
 
 __all__ = [
     "AGG_MODES",
     "AlgorithmError",
+    "CORRECTIONS",
+    "CORRECTION_LEVELS",
     "AdvantageSpec",
     "LossSpec",
     "Groups",
@@ -62,6 +65,7 @@ __all__ = [
     "mask_patches",
     "mask_truncated",
     "masked_whiten",
+    "mismatch_weights",
     "nonconstant_groups",
     "offline",
     "one_row_per_group",

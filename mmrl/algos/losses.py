@@ -228,6 +228,7 @@ def dual_clip_loss(logp, old_logp, adv, mask, *, eps_low, eps_high, dual_clip_c)
     default_agg="seq-mean-token-mean",
     citation="2507.18071",
     defaults={"eps_low": 3e-4, "eps_high": 4e-4},
+    sequence_advantage=True,
 )
 def gspo_loss(logp, old_logp, adv, mask, *, eps_low, eps_high):
     """GSPO: clip the length-normalised sequence ratio s_i = exp(mean_t l); sequence term on each token."""
@@ -264,6 +265,7 @@ def gspo_token_loss(logp, old_logp, adv, mask, *, eps_low, eps_high):
     default_agg="seq-mean-token-mean",
     citation="2507.20673",
     defaults={"eps_low": 0.4, "eps_high": 0.4},
+    sequence_advantage=True,
 )
 def gmpo_loss(logp, old_logp, adv, mask, *, eps_low, eps_high):
     """GMPO: geometric mean of token ratios, clipped in log space by sgn(A); term -A_i * rho_i."""

@@ -65,6 +65,7 @@ class LossSpec:
     defaults: Mapping[str, Any]
     aliases: tuple[str, ...] = ()
     description: str = ""
+    sequence_advantage: bool = False  # needs one advantage per sequence (token weights are an error)
 
     @property
     def accepted_params(self) -> tuple[str, ...]:
@@ -124,6 +125,7 @@ def register_loss(
     defaults: Mapping[str, Any] | None = None,
     aliases: tuple[str, ...] | list[str] = (),
     description: str | None = None,
+    sequence_advantage: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: make `fn` available as `policy_loss(name, ...)` (see `LossSpec` for its signature)."""
     if default_agg not in AGG_MODES:
@@ -145,6 +147,7 @@ def register_loss(
             defaults=defaults,
             aliases=tuple(aliases),
             description=description if description is not None else _first_doc_line(fn),
+            sequence_advantage=sequence_advantage,
         )
         _LOSSES[name] = spec
         for a in aliases:

@@ -215,18 +215,26 @@ class FastDecoder:
         return sample_tokens(self.model, input_ids, attention_mask, stepper=stepper, **kwargs)
 
 
+def _sharded(model) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(model.get_input_embeddings().weight, DTensor)
+
+
 def completion_logprobs(model, fast: FastDecoder | None, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         units: torch.Tensor, *, temperature: float, suppress: torch.Tensor,
                         with_entropy: bool, window: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Teacher-forced log-probs (and entropy) of `units[:, window]` (default: all T) after
     left-padded prompts, under softmax(logits / temperature) with `suppress` ids removed. The lean
     decoder runs when `fast` wraps `model` (gradients flow to its parameters); anything else (a
-    frozen reference copy, dropout in training) takes the HF forward. Only the positions that
+    frozen reference copy, dropout in training, weights sharded by FSDP2, whose gathering hooks
+    only the modules' forwards run) takes the HF forward. Only the positions that
     predict a unit of the window are projected to the vocabulary (the [N, T, V] logits are what a
     window bounds); the lean decoder runs each distinct prompt once."""
     start, stop, _ = (window or slice(None)).indices(units.shape[1])
     units, T = units[:, :stop], stop - start  # later units cannot change a causal model's scores
-    if fast is not None and fast.model is model and not (model.training and fast.dropout > 0):
+    lean = fast is not None and fast.model is model and not (model.training and fast.dropout > 0)
+    if lean and not _sharded(model):
         logits = fast.completion_logits(prompt_ids, prompt_mask, units)[:, start:].float()
     else:
         ids = torch.cat([prompt_ids, units], 1)

@@ -1,0 +1,246 @@
+"""Several processes, one run: torch.distributed under torchrun (gloo on CPU, nccl on GPU).
+
+Each rank samples its own whole groups, so group statistics never cross ranks. What must be
+global is made so here: the batch the advantage estimator sees (gathered), the loss normaliser
+(all-reduced), the gradient (averaged: all-reduced in replicate mode, reduce-scattered by FSDP2
+when `train.fsdp`), and the metrics. Each rank's loss is scaled so that the average over ranks of
+the per-rank gradients is the gradient of one process on the whole batch.
+
+With one process every helper is the identity, so a single-process run is unchanged bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    fsdp: bool = False
+    comm_device: str = "cpu"  # where collective buffers live: cpu for gloo, cuda for nccl
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+SINGLE = Dist()
+
+
+def launched() -> bool:
+    """Whether torchrun (or another launcher setting RANK / WORLD_SIZE) started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def setup(device: str, timeout_s: float, fsdp: bool = False) -> Dist:
+    """Join the process group that the launcher describes in the environment; one process otherwise.
+    `timeout_s` bounds every collective, so a rank that hangs ends the run with an error instead of
+    blocking the others forever."""
+    if not launched():
+        return Dist(fsdp=fsdp)
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    if not dist.is_initialized():
+        if use_cuda:
+            torch.cuda.set_device(local_rank())
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return current(fsdp)
+
+
+def current(fsdp: bool = False) -> Dist:
+    """The process group this process is in (one process when none is initialised)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return Dist(fsdp=fsdp)
+    comm = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), fsdp=fsdp, comm_device=comm)
+
+
+# ------------------------------------------------------------------ collectives
+
+
+def barrier(d: Dist) -> None:
+    if d.active:
+        dist.barrier()
+
+
+def all_gather_ints(d: Dist, values: list[int]) -> list[list[int]]:
+    """Every rank's `values` (the same length on every rank), in rank order."""
+    if not d.active:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.long, device=d.comm_device)
+    out = [torch.empty_like(mine) for _ in range(d.world)]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+def all_sum(d: Dist, value: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of a tensor (a copy; the input is left alone)."""
+    if not d.active:
+        return value
+    out = value.detach().to(d.comm_device, copy=True)
+    dist.all_reduce(out)
+    return out.to(value.device)
+
+
+def all_max(d: Dist, value: int) -> int:
+    if not d.active:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=d.comm_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def gather_rows(d: Dist, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], slice]:
+    """Concatenate each tensor along dim 0 over ranks (in rank order); a dim 1 of different length
+    per rank is right-padded with zeros to the longest. Returns the global tensors and this rank's
+    rows in them."""
+    if not d.active:
+        return tensors, slice(0, len(tensors[0]))
+    n = len(tensors[0])
+    sizes = [s[0] for s in all_gather_ints(d, [n])]
+    start = sum(sizes[: d.rank])
+    widths = [all_max(d, t.shape[1]) if t.dim() > 1 else 0 for t in tensors]
+    out = []
+    for t, width in zip(tensors, widths):
+        if t.dim() > 1 and t.shape[1] < width:
+            t = torch.cat([t, t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))], 1)
+        send = t.to(d.comm_device, torch.uint8 if t.dtype == torch.bool else t.dtype)
+        padded = torch.cat([send, send.new_zeros((max(sizes) - n, *send.shape[1:]))]) if n < max(sizes) else send
+        parts = [torch.empty_like(padded) for _ in range(d.world)]
+        dist.all_gather(parts, padded.contiguous())
+        out.append(torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(t.device, t.dtype))
+    return out, slice(start, start + n)
+
+
+def average_gradients(d: Dist, params: list[torch.nn.Parameter]) -> None:
+    """Replicate mode: average the accumulated gradients over ranks in one flat all-reduce (a rank
+    whose batch had no rows contributes zeros). FSDP2 averages its own in the backward."""
+    if not d.active or d.fsdp:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(d.comm_device)
+    dist.all_reduce(flat)
+    flat = flat.to(params[0].device) / d.world
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset: offset + g.numel()].view_as(g).to(g.dtype)
+        offset += g.numel()
+
+
+def broadcast_parameters(d: Dist, module: torch.nn.Module) -> None:
+    """Replicate mode: start every rank from rank 0's weights (the same seed builds the same model,
+    but a non-deterministic initialiser must not leave the replicas apart)."""
+    if not d.active or d.fsdp:
+        return
+    for t in [*module.parameters(), *module.buffers()]:
+        buf = t.data.to(d.comm_device)
+        dist.broadcast(buf, 0)
+        t.data.copy_(buf.to(t.device))
+
+
+# Metrics combined over ranks by a sum (counters) instead of a mean; *_max / *_min by max / min.
+SUMMED_METRICS = ("sampling/kept_groups", "sampling/short_groups", "replay/pushed", "replay/drawn",
+                  "replay/size", "guide/failed_groups", "gen_tokens")
+
+
+def reduce_metrics(d: Dist, metrics: dict[str, float]) -> dict[str, float]:
+    """Combine every rank's metrics: means, counters summed, extremes by max / min. A key that only
+    some ranks logged (a warning's counter) is combined over those."""
+    if not d.active:
+        return metrics
+    every: list[dict[str, float]] = [{} for _ in range(d.world)]
+    dist.all_gather_object(every, {k: float(v) for k, v in metrics.items()})
+    out: dict[str, float] = {}
+    for key in sorted({k for m in every for k in m}):
+        vals = [m[key] for m in every if key in m]
+        if key.endswith("_max"):
+            out[key] = max(vals)
+        elif key.endswith("_min"):
+            out[key] = min(vals)
+        elif key in SUMMED_METRICS:
+            out[key] = sum(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
+    return out
+
+
+# ------------------------------------------------------------------ FSDP2
+
+
+def shard(module: torch.nn.Module, bf16: bool) -> torch.nn.Module:
+    """FSDP2 `fully_shard`: each transformer block of a transformers model (`_no_split_modules`)
+    is its own shard group, then the root; parameters become DTensors sharded over the ranks. On
+    GPU with `bf16` the forward runs in bf16 and gradients are reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {}
+    if bf16 and torch.cuda.is_available():
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    block_names = set(getattr(module, "_no_split_modules", None) or [])
+    for sub in module.modules():
+        if sub is not module and type(sub).__name__ in block_names:
+            fully_shard(sub, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+def fsdp_modules(module: torch.nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+_unsharded_depth = 0  # full_parameters nests (evaluation samples through the trainer): only the outermost acts
+
+
+@contextlib.contextmanager
+def full_parameters(*modules: torch.nn.Module | None) -> Iterator[None]:
+    """While entered, FSDP modules hold their whole parameters and do no collectives in forward, so
+    ranks may run different numbers of forwards (sampling to different lengths, evaluation)."""
+    global _unsharded_depth
+    groups = [] if _unsharded_depth else [m for module in modules if module is not None for m in fsdp_modules(module)]
+    for m in groups:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    _unsharded_depth += 1
+    try:
+        yield
+    finally:
+        _unsharded_depth -= 1
+        for m in groups:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+@contextlib.contextmanager
+def consolidated(d: Dist, module: torch.nn.Module) -> Iterator[None]:
+    """While entered, rank 0's `module.state_dict()` is the whole, unsharded state (on the CPU), so a
+    policy's own `save` (save_pretrained, torch.save) writes what a single process writes. Every
+    rank must enter it (gathering the shards is collective)."""
+    if not d.fsdp:
+        yield
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    module.state_dict = lambda *args, **kwargs: full  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del module.state_dict
