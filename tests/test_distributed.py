@@ -101,9 +101,12 @@ def test_a_two_rank_checkpoint_loads_into_one_process(resumed):
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.model.state_dict().items())
 
 
-def test_a_killed_rank_ends_the_run_with_one_clear_error(tmp_path):
-    """`mmrl train --nproc 2`; rank 1 is killed mid-run: the launcher ends every rank and says so in
-    one line, well within the collective timeout, and the last checkpoint stays whole."""
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_killed_or_hung_rank_ends_the_run_with_one_clear_error(tmp_path, how):
+    """`mmrl train --nproc 2`; rank 1 is killed (SIGKILL) or hangs (SIGSTOP) mid-run: a death ends
+    every rank at once; a hang makes rank 0's next collective time out after train.dist_timeout_s
+    (20 s here), and torchrun then ends the hung rank. Either way the launcher says so in one line
+    and the last checkpoint stays whole."""
     from mmrl.checkpoint import find_latest, verify_checkpoint
 
     config = tmp_path / "tiny.yaml"
@@ -114,7 +117,7 @@ def test_a_killed_rank_ends_the_run_with_one_clear_error(tmp_path):
         "rewards: [{name: arithmetic_digits}]\n"
         "sampling: {group_size: 4, max_new_tokens: 4}\n"
         f"train: {{steps: 100000, prompts_per_step: 2, eval_every: 0, eval_size: 8, save_every: 1, device: cpu,"
-        f" progress: false, dist_timeout_s: 120, output_dir: {tmp_path / 'run'}}}\n")
+        f" progress: false, dist_timeout_s: 20, output_dir: {tmp_path / 'run'}}}\n")
     proc = subprocess.Popen([sys.executable, "-m", "mmrl.cli", "train", str(config), "--nproc", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -124,14 +127,16 @@ def test_a_killed_rank_ends_the_run_with_one_clear_error(tmp_path):
             assert proc.poll() is None and time.time() < deadline, "the 2-rank run did not start"
             time.sleep(0.5)
         rank1 = _rank_pid(proc.pid, local_rank=1)
-        os.kill(rank1, signal.SIGKILL)
-        killed_at = time.time()
-        _, err = proc.communicate(timeout=100)
+        os.kill(rank1, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        signalled_at = time.time()
+        _, err = proc.communicate(timeout=150)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert time.time() - killed_at < 100
+    assert time.time() - signalled_at < (30 if how == "killed" else 150)
     assert proc.returncode != 0
+    if how == "hung":
+        assert "Timed out waiting 20000ms" in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("mmrl: error: training with 2 processes failed"), err[-2000:]
     assert "Last complete checkpoint:" in last and "step_" in last
