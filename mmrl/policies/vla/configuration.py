@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 ACTION_TOKEN_MODES = ("special", "vocab_tail")
+VISION_TOWERS = ("qwen_vl", "conv_keypoints")  # the model's own ViT, or `conv_keypoints.ConvKeypointsEncoder`
 DEFAULT_PROMPT = "What action should the robot take to {instruction}?"
 # Saved-config file names inside a checkpoint directory (unchanged, so old checkpoints load).
 ACTION_VLA_CONFIG_NAME = "action_vla.json"
@@ -75,6 +76,11 @@ class ActionTokenVLAConfig:
     system_prompt: str | None = None
     min_image_tokens: int | None = None  # None: the processor's own (a tiny build uses 4 and 16)
     max_image_tokens: int | None = None
+    vision: str = "qwen_vl"  # one of VISION_TOWERS: the model's own vision tower or a conv keypoint net
+    shift_pad: int = 4  # conv_keypoints: DrQ random shift of up to this many pixels in SFT (0: none)
+    # conv_keypoints: keypoints per image, one LM token each, so it must equal the image's token count;
+    # None: the count the processor gives the task's camera images (task.image_size or env.image_size)
+    n_keypoints: int | None = None
     # read by `from_config` only
     arch: str = "qwen2_5_vl"  # the tiny backbone (model.source: tiny)
     freeze_vision: bool = False
@@ -83,7 +89,10 @@ class ActionTokenVLAConfig:
     def __post_init__(self) -> None:
         if self.action_tokens not in ACTION_TOKEN_MODES:
             raise ValueError(f"unknown action_tokens {self.action_tokens!r}; valid: {', '.join(ACTION_TOKEN_MODES)}")
-        _at_least(self, 1, "action_dim", "chunk_size", "max_chunks")
+        if self.vision not in VISION_TOWERS:
+            raise ValueError(f"unknown vision {self.vision!r}; valid: {', '.join(VISION_TOWERS)}")
+        _at_least(self, 1, "action_dim", "chunk_size", "max_chunks", "n_keypoints")
+        _at_least(self, 0, "shift_pad")
         _at_least(self, 2, "n_bins")
         if "{instruction}" not in self.prompt_template:
             raise ValueError(f"prompt_template must contain {{instruction}}, got {self.prompt_template!r}")
@@ -130,6 +139,7 @@ __all__ = [
     "SMOLVLA_PARAMS",
     "ActionTokenVLAConfig",
     "SmolVLAConfig",
+    "VISION_TOWERS",
     "param_names",
     "read_saved_config",
     "resolve_config",

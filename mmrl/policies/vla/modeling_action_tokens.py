@@ -29,12 +29,18 @@ SFT contexts (`sft_loss`) hold the observation images, the language task and the
 [K, A], read by `mmrl.policies.vla.processor.parse_sft_context` (the keys are listed there). The
 bins, the `<act_i>` tokens and the context parsing live in `processor`, the typed `model.params`
 (`ActionTokenVLAConfig`) in `configuration`.
+
+Vision (`vision`): the backbone's own Qwen-VL tower, or `conv_keypoints`: a small conv net ending in
+spatial soft-argmax keypoints (one LM token per keypoint, `vla.conv_keypoints`) in its place, with
+DrQ random shifts in `sft_loss` only: rollouts and their teacher-forced recompute see unshifted images.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +50,7 @@ import torch
 from torch import nn
 
 from mmrl.envs.episodes import VectorEnvFactory, run_episodes, task_env_factory
-from mmrl.policies.base import apply_lora
+from mmrl.policies.base import apply_lora, checkpoint_dir
 from mmrl.policies.qwen_vl import (
     QwenVLPolicy,
     VLStepper,
@@ -58,6 +64,12 @@ from mmrl.policies.vla.configuration import (
     ActionTokenVLAConfig,
     read_saved_config,
     resolve_config,
+)
+from mmrl.policies.vla.conv_keypoints import (
+    conv_encoder,
+    image_token_count,
+    install_conv_keypoints,
+    load_conv_keypoints,
 )
 from mmrl.policies.vla.processor import (
     ActionBins,
@@ -92,7 +104,8 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
 
     def __init__(self, model: nn.Module, processor, config: ActionTokenVLAConfig | None = None, *,
                  temperature: float = 1.0, env_factory: Callable[[list[dict]], Any] | None = None, **params):
-        c = self.config = resolve_config(ActionTokenVLAConfig, config, params)
+        c = resolve_config(ActionTokenVLAConfig, config, params)
+        c = self.config = self._check_vision(model, c)
         super().__init__(model, processor, temperature=temperature, max_new_tokens=c.chunk_size * c.action_dim,
                          system_prompt=c.system_prompt, min_image_tokens=c.min_image_tokens,
                          max_image_tokens=c.max_image_tokens)
@@ -104,6 +117,21 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         self.prompt_template = c.prompt_template
         self.max_chunks = c.max_chunks
         self.env_factory = env_factory
+
+    @staticmethod
+    def _check_vision(model: nn.Module, c: ActionTokenVLAConfig) -> ActionTokenVLAConfig:
+        """`c.vision` must name the model's tower; a conv tower's keypoint count goes into `c` (what
+        `save` writes)."""
+        enc = conv_encoder(model)
+        if (enc is not None) != (c.vision == "conv_keypoints"):
+            has = "a conv_keypoints" if enc is not None else "its Qwen-VL"
+            raise ValueError(f"vision is {c.vision!r} but the model has {has} vision tower; build it with "
+                             "from_config / from_pretrained, or install_conv_keypoints(model, n_keypoints) first")
+        if enc is None:
+            return c
+        if c.n_keypoints not in (None, enc.n_keypoints):
+            raise ValueError(f"n_keypoints is {c.n_keypoints} but the model's conv tower has {enc.n_keypoints}")
+        return dataclasses.replace(c, n_keypoints=enc.n_keypoints)
 
     def _action_token_start(self) -> int:
         n_rows = self.model.get_output_embeddings().weight.shape[0]
@@ -152,7 +180,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         c = ActionTokenVLAConfig(**{**saved, **params})  # validated once, before a model is built
         dtype = getattr(torch, m.dtype)
         if m.source == "pretrained":
-            model, processor = cls.load_pretrained(m.path, dtype)
+            model, processor = cls._load_model(m.path, dtype, c, saved)
         else:
             from mmrl.tiny import build_qwen_vl_processor, build_tiny_qwen_vl, build_tokenizer
 
@@ -162,6 +190,9 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
             max_tokens = 16 if c.max_image_tokens is None else c.max_image_tokens
             processor = build_qwen_vl_processor(tokenizer, c.arch, min_tokens, max_tokens)
             model = build_tiny_qwen_vl(tokenizer, c.arch, seed=cfg.train.seed, **m.tiny).to(dtype)
+        if c.vision == "conv_keypoints" and conv_encoder(model) is None:  # a fresh conv tower
+            n_keypoints = c.n_keypoints or _camera_token_count(task, c, processor)
+            install_conv_keypoints(model, n_keypoints, augment_pad=c.shift_pad, seed=cfg.train.seed)
         if c.freeze_vision:
             _rope_owner(model).visual.requires_grad_(False)
         model = apply_lora(model, m).to(device)
@@ -169,16 +200,49 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         return cls(model, processor, c, temperature=cfg.sampling.temperature, env_factory=env_factory)
 
     @classmethod
+    def _load_model(cls, path: str | Path, dtype: torch.dtype, c: ActionTokenVLAConfig, saved: dict[str, Any]):
+        """(model, processor) of a checkpoint directory. One that `save` wrote with a conv tower has
+        no ViT weights: the model is built with a fresh ViT, which the conv tower then replaces
+        before its own weights are loaded."""
+        if saved.get("vision") != "conv_keypoints":
+            return cls.load_pretrained(path, dtype)
+        if c.vision != "conv_keypoints":
+            raise ValueError(f"{path} holds a conv_keypoints vision tower; vision {c.vision!r} cannot load it")
+        from transformers.utils import logging as hf_logging
+
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its load report would list every ViT weight as missing
+        try:
+            model, processor = cls.load_pretrained(path, dtype)
+        finally:
+            hf_logging.set_verbosity(level)
+        install_conv_keypoints(model, c.n_keypoints or saved["n_keypoints"], augment_pad=c.shift_pad)
+        load_conv_keypoints(model, checkpoint_dir(path))
+        return model, processor
+
+    @classmethod
     def from_pretrained(cls, path: str | Path, device="cpu", dtype: torch.dtype = torch.float32,
                         **kwargs) -> ActionTokenVLAPolicy:
-        model, processor = cls.load_pretrained(path, dtype)
-        return cls(model.to(device), processor, **{**read_saved_config(path, ACTION_VLA_CONFIG_NAME), **kwargs})
+        """A directory `save` wrote (its settings, overridden by `kwargs`), or a plain Qwen-VL checkpoint."""
+        saved = read_saved_config(path, ACTION_VLA_CONFIG_NAME)
+        merged = {**saved, **kwargs}
+        c = ActionTokenVLAConfig(**{k: v for k, v in merged.items() if k in ACTION_VLA_PARAMS})
+        model, processor = cls._load_model(path, dtype, c, saved)
+        if c.vision == "conv_keypoints" and conv_encoder(model) is None:
+            if c.n_keypoints is None:
+                raise ValueError("a plain checkpoint with vision: conv_keypoints needs n_keypoints (the camera "
+                                 "image's token count)")
+            install_conv_keypoints(model, c.n_keypoints, augment_pad=c.shift_pad)
+        return cls(model.to(device), processor, c, **{k: v for k, v in kwargs.items() if k not in ACTION_VLA_PARAMS})
 
     def save(self, directory: str | Path) -> None:
         super().save(directory)
         cfg = {"action_dim": self.action_dim, "chunk_size": self.chunk_size, "n_bins": self.n_bins,
                "action_low": self.bins.low.tolist(), "action_high": self.bins.high.tolist(),
-               "action_tokens": self.action_tokens, "cameras": self.cameras, "prompt_template": self.prompt_template}
+               "action_tokens": self.action_tokens, "cameras": self.cameras, "prompt_template": self.prompt_template,
+               "vision": self.config.vision}
+        if self.config.vision == "conv_keypoints":  # what loading needs to rebuild the tower before its weights
+            cfg.update(n_keypoints=self.config.n_keypoints, shift_pad=self.config.shift_pad)
         (Path(directory) / ACTION_VLA_CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
 
     # ------------------------------------------------------------------ observations -> prompts
@@ -330,14 +394,29 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
 
     # ------------------------------------------------------------------ SFT
 
-    def sft_loss(self, contexts: list[dict]) -> torch.Tensor:
-        """Mean cross-entropy of the discretised expert chunks (over the action ids, temperature 1)."""
+    def sft_loss(self, contexts: list[dict], generator: torch.Generator | None = None) -> torch.Tensor:
+        """Mean cross-entropy of the discretised expert chunks (over the action ids, temperature 1).
+        A conv keypoint tower shifts the images randomly here (DrQ, drawn from `generator`; only in
+        train mode), and nowhere else."""
         ex = [parse_sft_context(c, i, self.cameras, self.action_dim, self.chunk_size) for i, c in enumerate(contexts)]
         tokens = self.actions_to_tokens(torch.stack([e.actions for e in ex])).to(self.device)
         m = torch.stack([e.valid for e in ex]).repeat_interleave(self.action_dim, 1).to(self.device)
         enc = self.encode(self._vl_contexts([e.images for e in ex], [e.instruction for e in ex]))
-        logp, _ = self._chunk_logprobs(self.model, enc, tokens, False, temperature=1.0)
+        conv = conv_encoder(self.model)
+        with conv.augmenting(generator, self.config.shift_pad) if conv is not None else nullcontext():
+            logp, _ = self._chunk_logprobs(self.model, enc, tokens, False, temperature=1.0)
         return -torch.where(m, logp, 0.0).sum() / m.sum().clamp_min(1)
+
+
+def _camera_token_count(task: Any, c: ActionTokenVLAConfig, processor: Any) -> int:
+    """Image tokens the processor gives the task's camera images (`task.image_size`, else the env
+    kwargs' `image_size`): the keypoint count of a fresh conv tower."""
+    size = getattr(task, "image_size", None) or c.env.get("image_size")
+    if size is None:
+        raise ValueError("vision: conv_keypoints needs model.params.n_keypoints (the camera image's token count) "
+                         "when the task has no image_size")
+    h, w = (size, size) if isinstance(size, int) else size
+    return image_token_count(processor.image_processor, int(h), int(w), c.min_image_tokens, c.max_image_tokens)
 
 
 __all__ = ["ActOutput", "ActionTokenVLAPolicy"]
