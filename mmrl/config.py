@@ -74,7 +74,9 @@ class RolloutConfig:
     # Training-inference mismatch correction (mmrl.algos.correction): the behaviour log-probs are
     # the engine's (Rollout.logp_beh) or, with train.recompute_old_logp, the sampler's own.
     correction: str = "none"  # none | tis | mis
-    correction_level: str = "token"  # token | sequence (gspo, gmpo: sequence)
+    # token | sequence | auto: sequence for losses that need one advantage per sequence (gspo, gmpo),
+    # else token, so `rollout.correction: tis` alone works with every loss
+    correction_level: str = "auto"
     correction_cap: float = 2.0
 
 
@@ -487,10 +489,10 @@ def validate(cfg: RunConfig) -> None:
     r = cfg.rollout
     _check(r.correction in CORRECTIONS,
            f"rollout.correction: invalid value {r.correction!r}; valid: {', '.join(CORRECTIONS)}")
-    _check(r.correction_level in CORRECTION_LEVELS,
-           f"rollout.correction_level: invalid value {r.correction_level!r}; valid: {', '.join(CORRECTION_LEVELS)}")
+    _check(r.correction_level in ("auto", *CORRECTION_LEVELS),
+           f"rollout.correction_level: invalid value {r.correction_level!r}; valid: auto, {', '.join(CORRECTION_LEVELS)}")
     _check(r.correction_cap > 1, f"rollout.correction_cap must be > 1, got {r.correction_cap}")
-    _check(r.correction == "none" or r.correction_level == "sequence" or not loss_spec.sequence_advantage,
+    _check(r.correction == "none" or r.correction_level != "token" or not loss_spec.sequence_advantage,
            f"rollout.correction_level: loss {cfg.algo.loss!r} needs one advantage per sequence; "
            f"set rollout.correction_level: sequence")
     _check(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")

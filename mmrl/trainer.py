@@ -574,9 +574,12 @@ class Trainer:
         else the sampler's) against `old_logp`. The weights are >= 0 and detached, so for every
         clipped loss this reweights each unit's loss term: min(r w A, clip(r) w A) = w min(r A, clip(r) A)."""
         r = self.cfg.rollout
+        level = r.correction_level
+        if level == "auto":
+            level = "sequence" if self.loss_spec.sequence_advantage else "token"
         behaviour = rollout.logp_beh if rollout.logp_beh is not None else rollout.logp_old
-        weights, metrics = algos.mismatch_weights(old_logp, behaviour, mask, kind=r.correction,
-                                                  level=r.correction_level, cap=r.correction_cap)
+        weights, metrics = algos.mismatch_weights(old_logp, behaviour, mask, kind=r.correction, level=level,
+                                                  cap=r.correction_cap)
         if weights.dim() == 2 and adv.dim() == 1:
             adv = adv[:, None]
         elif weights.dim() == 1 and adv.dim() == 2:

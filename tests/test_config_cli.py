@@ -41,9 +41,10 @@ def test_defaults_and_overrides(tmp_path):
     (["sft.lr=-1e-3"], "sft.lr must be > 0, got -0.001"),
     (["sft.batch_size=0"], "sft.batch_size must be >= 1"),
     (["rollout.correction=is"], "rollout.correction: invalid value 'is'; valid: none, tis, mis"),
-    (["rollout.correction_level=row"], "rollout.correction_level: invalid value 'row'; valid: token, sequence"),
+    (["rollout.correction_level=row"], "rollout.correction_level: invalid value 'row'; valid: auto, token, sequence"),
     (["rollout.correction=tis", "rollout.correction_cap=1"], "rollout.correction_cap must be > 1, got 1"),
-    (["rollout.correction=tis", "algo.loss=gspo"], "set rollout.correction_level: sequence"),
+    (["rollout.correction=tis", "rollout.correction_level=token", "algo.loss=gspo"],
+     "set rollout.correction_level: sequence"),
     (["train.fsdp=true", "train.unit_chunk=4"], "train.fsdp does not support train.unit_chunk (got 4)"),
     (["train.dist_timeout_s=0"], "train.dist_timeout_s must be > 0"),
     (["train.fsdp=true", "model.policy=video_gen"], "model.policy 'video_gen' runs replicated only"),
@@ -59,7 +60,7 @@ def test_bad_values_name_the_key_and_choices(override, fragment):
 
 
 def test_a_mismatch_correction_is_one_config_line():
-    for loss in ("grpo", "cispo", "sapo", "dapo"):
+    for loss in ("grpo", "cispo", "sapo", "dapo", "gspo", "gmpo"):  # auto level: sequence for gspo / gmpo
         assert load_config(None, [f"algo.loss={loss}", "rollout.correction=tis"]).rollout.correction == "tis"
     cfg = load_config(None, ["algo.loss=gspo", "rollout.correction=mis", "rollout.correction_level=sequence"])
     assert (cfg.rollout.correction, cfg.rollout.correction_cap) == ("mis", 2.0)

@@ -355,3 +355,29 @@ def test_the_trainer_weights_each_units_advantage_by_its_truncated_ratio(tmp_pat
     assert metrics["correction/truncated_frac"] == pytest.approx(float(share))
     logged = trainer.update(rollout)
     assert logged["correction/truncated_frac"] == pytest.approx(float(share))
+
+
+def test_auto_level_gives_a_sequence_loss_one_weight_per_sequence(tmp_path):
+    """`rollout.correction: tis` with gspo (one advantage per sequence): the default level "auto"
+    weights each row by min(prod_t rho_t, 2), and the update runs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dist_worker import build, make_cfg
+
+    from mmrl.config import config_from_dict
+    from mmrl.distributed import SINGLE
+
+    cfg = make_cfg(str(tmp_path / "run")).to_dict()
+    cfg["algo"]["loss"], cfg["algo"]["loss_params"] = "gspo", {}
+    trainer = build(config_from_dict({**cfg, "rollout": {"correction": "tis"}}), SINGLE)
+    rollout, _ = trainer.collect()
+    log_rho = torch.linspace(-0.3, 0.3, len(rollout))[:, None].expand_as(rollout.logp_old)  # per row, per unit
+    rollout.logp_beh = rollout.logp_old - log_rho
+    adv = trainer.advantages(rollout)
+    corrected, _ = trainer.correct_mismatch(rollout, rollout.logp_old, rollout.mask, adv)
+    assert corrected.shape == adv.shape  # still one advantage per sequence
+    seq = torch.exp((log_rho * rollout.mask).sum(1)).clamp(max=2.0)
+    torch.testing.assert_close(corrected, adv * seq)
+    assert "correction/truncated_frac" in trainer.update(rollout)
