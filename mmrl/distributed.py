@@ -54,7 +54,7 @@ def setup(device: str, timeout_s: float, fsdp: bool = False) -> Dist:
     `timeout_s` bounds every collective, so a rank that hangs ends the run with an error instead of
     blocking the others forever."""
     if not launched():
-        return Dist(fsdp=fsdp)
+        return SINGLE
     use_cuda = device != "cpu" and torch.cuda.is_available()
     if not dist.is_initialized():
         if use_cuda:
@@ -64,9 +64,10 @@ def setup(device: str, timeout_s: float, fsdp: bool = False) -> Dist:
 
 
 def current(fsdp: bool = False) -> Dist:
-    """The process group this process is in (one process when none is initialised)."""
+    """The process group this process is in (one process when none is initialised; it shards
+    nothing, `train.fsdp` or not)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return Dist(fsdp=fsdp)
+        return SINGLE
     comm = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), fsdp=fsdp, comm_device=comm)
 
@@ -99,6 +100,7 @@ def all_sum(d: Dist, value: torch.Tensor) -> torch.Tensor:
 
 
 def all_max(d: Dist, value: int) -> int:
+    """The largest `value` over ranks."""
     if not d.active:
         return value
     t = torch.tensor([value], dtype=torch.long, device=d.comm_device)

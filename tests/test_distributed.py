@@ -165,3 +165,19 @@ def _rank_pid(root_pid: int, local_rank: int) -> int:
                 found.append(child)
     assert found, "no torchrun worker found"
     return min(found)
+
+
+def test_one_process_with_fsdp_on_trains_unsharded(tmp_path):
+    """`train.fsdp: true` without torchrun: one process, nothing to shard; it trains as without it."""
+    sys.path.insert(0, str(WORKER.parent))
+    from dist_worker import build, make_cfg
+
+    from mmrl import distributed
+
+    plain, sharded = (build(make_cfg(str(tmp_path / f"run{i}"), fsdp=fsdp, steps=2), distributed.current(fsdp))
+                      for i, fsdp in enumerate((False, True)))
+    assert not sharded.dist.fsdp and not sharded.dist.active
+    for trainer in (plain, sharded):
+        trainer.train(resume=False)
+    for k, v in plain.policy.model.state_dict().items():
+        assert torch.equal(v, sharded.policy.model.state_dict()[k])
