@@ -19,8 +19,12 @@ from mmrl.config import load_config
 from mmrl.trainer import Trainer
 
 
-def token_stats(policy, frames, shuffle: bool, seed: int = 0):
-    """Mean NLL and argmax accuracy of the expert chunks (position dims 0-2 only for accuracy)."""
+def token_stats(policy, frames, shuffle: bool, seed: int = 0) -> tuple[float, list[float]]:
+    """Mean NLL per action token of the expert chunks, and the mean NLL of each action dimension
+    (the position dims 0-2 are the ones a reach needs the image for; the mean hides them among the
+    constant dims)."""
+    from mmrl.policies.vla.processor import parse_sft_context
+
     rng = np.random.default_rng(seed)
     frames = [dict(f) for f in frames]
     if shuffle:
@@ -31,7 +35,15 @@ def token_stats(policy, frames, shuffle: bool, seed: int = 0):
     with torch.no_grad():
         policy.model.eval()
         loss = float(policy.sft_loss(frames))
-    return loss
+        p, A = policy, policy.action_dim
+        ex = [parse_sft_context(c, i, p.cameras, A, p.chunk_size) for i, c in enumerate(frames)]
+        tokens = p.actions_to_tokens(torch.stack([e.actions for e in ex]))
+        valid = torch.stack([e.valid for e in ex])  # [B, K] chunk steps that exist
+        enc = p.encode(p._vl_contexts([e.images for e in ex], [e.instruction for e in ex]))
+        logp, _ = p._chunk_logprobs(p.model, enc, tokens, False, temperature=1.0)
+        nll = -logp.reshape(len(ex), -1, A)  # [B, K, A]
+        by_dim = (nll * valid[..., None]).sum((0, 1)) / valid.sum().clamp_min(1)
+    return loss, [round(float(x), 5) for x in by_dim]
 
 
 def main() -> None:
@@ -44,8 +56,9 @@ def main() -> None:
     sft_cpu = time.process_time() - c0
     frames = task.demo_frames()
     sample = [frames[i] for i in np.random.default_rng(1).choice(len(frames), min(128, len(frames)), replace=False)]
-    out = {"sft_cpu_s": round(sft_cpu, 1), "frames": len(frames),
-           "loss_own": token_stats(policy, sample, False), "loss_shuffled": token_stats(policy, sample, True)}
+    (own, own_dims), (shuffled, shuffled_dims) = token_stats(policy, sample, False), token_stats(policy, sample, True)
+    out = {"sft_cpu_s": round(sft_cpu, 1), "frames": len(frames), "loss_own": own, "loss_shuffled": shuffled,
+           "loss_own_by_dim": own_dims, "loss_shuffled_by_dim": shuffled_dims}
     n = cfg.train.eval_size
     task.eval_mode = "both"
     res = task.evaluate(policy, n)
