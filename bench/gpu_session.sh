@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU benchmarks (bench/gpu_planning.py, gpu_vla.py, gpu_caption.py, gpu_vlm.py, gpu_video.py, and
-# ddp_scaling.py --fsdp --device cuda where 2 GPUs are visible) as one prepared command
+# The GPU benchmarks (bench/gpu_planning.py, gpu_vla.py, gpu_caption.py, gpu_vlm.py, gpu_video.py,
+# gpu_vllm_rollout.py, and ddp_scaling.py --fsdp --device cuda where 2 GPUs are visible) as one prepared command
 # for the `device` tool's machine: one H200 with torch 2.11 + CUDA, no network, 64 MiB carried.
 #
 #   bash bench/gpu_session.sh fetch     # here, after the last code change: fills .whl/ and .gl/
@@ -96,7 +96,14 @@ case "$mode" in
       echo "== ddp_fsdp_gpu: skipped, a 2-process FSDP step needs 2 GPUs (${ngpu:-0} visible)"
       echo "{\"skipped\": \"needs 2 GPUs, ${ngpu:-0} visible\"}" > "$OUT/ddp_fsdp_gpu.log"
     fi
-    echo "== vllm rollout throughput: not built yet (mmrl has no vLLM engine yet); nothing to run"
+    # vLLM against the HF sampler (vllm does not travel in .whl: it runs where the image has it; the
+    # bench's JSON says so otherwise), and the engine's own test where it can run.
+    bench vllm_rollout 300 bench/gpu_vllm_rollout.py
+    if "$PY" -c "import vllm, pytest" 2>/dev/null; then
+      timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py 2>&1 | tee "$OUT/vllm_engine_test.txt"
+    else
+      echo "== vllm engine test: skipped, vllm or pytest does not import on this machine"
+    fi
     gather ;;
   smoke)
     mkdir -p "$OUT"
@@ -105,6 +112,7 @@ case "$mode" in
     bench caption 300 bench/gpu_caption.py --smoke --out "$OUT/caption"
     bench vlm 300 bench/gpu_vlm.py --smoke
     bench video 300 bench/gpu_video.py --smoke
+    bench vllm_rollout 300 bench/gpu_vllm_rollout.py --smoke
     gather ;;
   *) echo "usage: bash bench/gpu_session.sh fetch | run | smoke" >&2; exit 2 ;;
 esac

@@ -78,6 +78,12 @@ class RolloutConfig:
     # else token, so `rollout.correction: tis` alone works with every loss
     correction_level: str = "auto"
     correction_cap: float = 2.0
+    # What samples the text policies (causal_lm, qwen_vl): `hf`, their in-process sampler, or `vllm`,
+    # a colocated vLLM engine on the GPU (mmrl.policies.vllm_engine; pip install 'mmrl[vllm]').
+    engine: str = "hf"
+    vllm_memory: float = 0.3  # the engine's share of GPU memory (vLLM's gpu_memory_utilization)
+    vllm_sleep: bool = True  # release the engine's weights and KV cache while training
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # more vllm.LLM(...) arguments
 
 
 @dataclass
@@ -336,6 +342,8 @@ def config_from_dict(data: dict) -> RunConfig:
 # Policies whose every forward goes through module calls that FSDP2's hooks see (others have
 # functional fast paths over the raw weights).
 FSDP_POLICIES = ("causal_lm",)
+ROLLOUT_ENGINES = ("hf", "vllm")
+VLLM_POLICIES = ("causal_lm", "qwen_vl")
 
 # Keys a run may change when it resumes: its length and how it reports. Any other difference from
 # the config a run folder was started with is another run (resume refuses it).
@@ -495,6 +503,14 @@ def validate(cfg: RunConfig) -> None:
     _check(r.correction == "none" or r.correction_level != "token" or not loss_spec.sequence_advantage,
            f"rollout.correction_level: loss {cfg.algo.loss!r} needs one advantage per sequence; "
            f"set rollout.correction_level: sequence")
+    _check(r.engine in ROLLOUT_ENGINES, f"rollout.engine: invalid value {r.engine!r}; valid: {', '.join(ROLLOUT_ENGINES)}")
+    if r.engine == "vllm":
+        _check(cfg.model.policy in VLLM_POLICIES,
+               f"rollout.engine: vllm samples the text policies ({', '.join(VLLM_POLICIES)}), "
+               f"not model.policy {cfg.model.policy!r}; use rollout.engine: hf")
+        _check(t.recompute_old_logp, "rollout.engine: vllm needs train.recompute_old_logp: true (the engine's "
+                                     "log-probs are the behaviour policy's, not the trainer's)")
+        _check(0 < r.vllm_memory < 1, f"rollout.vllm_memory must be in (0, 1) (a share of the GPU), got {r.vllm_memory}")
     _check(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
     _check(0 < a.entropy_top_frac <= 1, f"algo.entropy_top_frac must be in (0, 1] (1 = every token), got {a.entropy_top_frac}")
     _check(a.overlong_cache_len < s.max_new_tokens or a.overlong_cache_len == 0,

@@ -140,8 +140,11 @@ class TextPolicyBase(PolicyBase):
 
     A subclass sets `eos_token_ids` and `suppress_token_ids` and writes `encode(contexts)` (prompt
     tensors, and lists that the G samples of a context share), `_generate` (the sampler call),
-    `_token_logprobs` (reading what `encode` gave) and `target_text`.
+    `_token_logprobs` (reading what `encode` gave) and `target_text`; `engine_prompts` when a
+    rollout engine (`rollout.engine: vllm`, set as `engine`) may sample for it.
     """
+
+    engine = None  # mmrl.policies.vllm_engine.VLLMEngine, else the in-process sampler
 
     def __init__(self, model: nn.Module, tokenizer, *, processor=None, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, max_new_tokens: int = 16):
@@ -168,6 +171,12 @@ class TextPolicyBase(PolicyBase):
                       pad_token_id=self.pad_token_id,
                       temperature=self.temperature if temperature is None else temperature, top_k=self.top_k,
                       top_p=self.top_p, suppress_token_ids=self.suppress_token_ids, generator=generator)
+        if self.engine is not None:
+            out = self.engine.sample(self.model, self.engine_prompts(contexts), group_size, **kwargs)
+            # The engine's log-probs are the behaviour policy's; the trainer recomputes logp_old.
+            return Rollout(units=out.tokens, logp_old=out.logp, logp_beh=out.logp, mask=out.mask,
+                           truncated=out.truncated, max_units=self.max_new_tokens,
+                           contexts=repeat_rows(contexts, group_size), extras=rows)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -176,6 +185,10 @@ class TextPolicyBase(PolicyBase):
             self.model.train(was_training)
         return Rollout(units=out.tokens, logp_old=out.logp, mask=out.mask, truncated=out.truncated,
                        max_units=self.max_new_tokens, contexts=repeat_rows(contexts, group_size), extras=rows)
+
+    def engine_prompts(self, contexts: list[Any]) -> list[dict[str, Any]]:
+        """The contexts as a rollout engine's prompts (vLLM's `TokensPrompt` / `TextPrompt` dicts)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sample with a rollout engine")
 
     def logprobs(self, rollout: Rollout, with_entropy: bool = False, units: slice | None = None):
         return self._token_logprobs(self.model, rollout.extras, rollout.units, with_entropy, window=units)

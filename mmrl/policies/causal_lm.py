@@ -12,6 +12,7 @@ from torch import nn
 
 from mmrl.policies.base import TextPolicyBase, apply_lora, checkpoint_dir, sampling_settings
 from mmrl.policies.fast_decode import FastDecoder, completion_logprobs
+from mmrl.policies.vllm_engine import attach_engine
 from mmrl.rollout import sample_tokens
 
 
@@ -37,7 +38,9 @@ class CausalLMPolicy(TextPolicyBase):
     @classmethod
     def from_config(cls, cfg, task, device="cpu") -> CausalLMPolicy:
         corpus = task.corpus() if cfg.model.source == "tiny" else None
-        return cls.from_model_config(cfg.model, cfg.sampling, corpus=corpus, seed=cfg.train.seed, device=device)
+        policy = cls.from_model_config(cfg.model, cfg.sampling, corpus=corpus, seed=cfg.train.seed, device=device)
+        attach_engine(policy, cfg)
+        return policy
 
     @classmethod
     def from_model_config(cls, model_cfg, sampling_cfg, corpus=None, seed: int = 0, device="cpu") -> CausalLMPolicy:
@@ -72,6 +75,10 @@ class CausalLMPolicy(TextPolicyBase):
         enc = self.tokenizer([self._prompt_text(c["prompt"]) for c in contexts], return_tensors="pt", padding=True,
                              padding_side="left", add_special_tokens=False)
         return {"prompt_ids": enc.input_ids.to(self.device), "prompt_mask": enc.attention_mask.to(self.device)}
+
+    def engine_prompts(self, contexts: list[dict]) -> list[dict]:
+        return [{"prompt_token_ids": self.tokenizer(self._prompt_text(c["prompt"]), add_special_tokens=False).input_ids}
+                for c in contexts]
 
     def target_text(self, context: dict, i: int = 0) -> str:
         return context["target"]

@@ -33,6 +33,7 @@ from torch import nn
 
 from mmrl.policies.base import TextPolicyBase, apply_lora, checkpoint_dir, sampling_settings
 from mmrl.policies.fast_decode import FastDecoder
+from mmrl.policies.vllm_engine import attach_engine
 from mmrl.rollout import Rollout, sample_tokens, token_logprobs
 
 IMAGE_PLACEHOLDER = "<image>"  # where a prompt places an image (EasyR1, Geometry3K, MathVerse layouts)
@@ -216,8 +217,10 @@ class QwenVLPolicy(TextPolicyBase):
             _rope_owner(model).visual.requires_grad_(False)
         # The default LoRA targets (q_proj, ...) name only language-model layers.
         model = apply_lora(model, m).to(device)
-        return cls(model, processor, **sampling_settings(cfg.sampling), fast_decode=m.fast_decode and m.lora_rank == 0,
-                   **params)
+        policy = cls(model, processor, **sampling_settings(cfg.sampling),
+                     fast_decode=m.fast_decode and m.lora_rank == 0, **params)
+        attach_engine(policy, cfg)
+        return policy
 
     @staticmethod
     def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32):
@@ -259,14 +262,32 @@ class QwenVLPolicy(TextPolicyBase):
         messages.append({"role": "user", "content": content})
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def encode(self, contexts: list[dict]) -> dict[str, Any]:
-        """Left-padded prompt tensors [n, P] and per-context vision lists for `contexts`."""
-        texts, images, counts = [], [], []
+    def _texts_and_images(self, contexts: list[dict]) -> tuple[list[str], list[list]]:
+        """Each context's chat text and its images."""
+        texts, images = [], []
         for i, c in enumerate(contexts):
             imgs = self._images(c, i)
             texts.append(self._chat_text(str(_field(c, self.prompt_key, i, "prompt_key")), len(imgs), f"context {i}"))
-            images += imgs
-            counts.append(len(imgs))
+            images.append(imgs)
+        return texts, images
+
+    def engine_prompts(self, contexts: list[dict]) -> list[dict]:
+        """Chat text (one placeholder per image; the engine expands it) with the images, resized by
+        the same min / max pixel settings as `encode`, so engine and trainer see the same tokens."""
+        prompts = []
+        for text, imgs in zip(*self._texts_and_images(contexts)):
+            prompt = {"prompt": text}
+            if imgs:
+                prompt["multi_modal_data"] = {"image": imgs}
+                prompt["mm_processor_kwargs"] = dict(self.image_kwargs)
+            prompts.append(prompt)
+        return prompts
+
+    def encode(self, contexts: list[dict]) -> dict[str, Any]:
+        """Left-padded prompt tensors [n, P] and per-context vision lists for `contexts`."""
+        texts, per_context = self._texts_and_images(contexts)
+        images = [img for imgs in per_context for img in imgs]
+        counts = [len(imgs) for imgs in per_context]
         enc = self.processor(text=texts, images=images or None, padding=True, padding_side="left",
                              return_tensors="pt", **(self.image_kwargs if images else {}))
         dev = self.device
