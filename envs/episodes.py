@@ -8,10 +8,11 @@ policies (which act) both import it and neither imports the other.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ class VectorEnvFactory:
         self.kind, self.num_workers, self.cache_size, self.upcoming = kind, num_workers, cache_size, upcoming
         self.env_kwargs = {"image_size": image_size, **({"cameras": tuple(cameras)} if cameras else {}), **env_kwargs}
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.shuffle_images = False  # set inside `images_shuffled()`
         # Close cached envs before interpreter teardown: renderers freed after their GL module is
         # gone raise noisy errors, and worker processes should not outlive the run.
         atexit.register(self.close)
@@ -47,7 +49,21 @@ class VectorEnvFactory:
             raise KeyError(f"context {i} lacks {missing} for a {self.kind} env; its keys: {sorted(context)}")
         return {**{k: context[k] for k in need}, **self.env_kwargs}
 
+    @contextlib.contextmanager
+    def images_shuffled(self) -> Iterator[None]:
+        """Inside the block, each env built for a batch shows another initial state's camera images
+        (`ShuffledImages`): the grounding check of the robot tasks' evaluation."""
+        saved, self.shuffle_images = self.shuffle_images, True
+        try:
+            yield
+        finally:
+            self.shuffle_images = saved
+
     def __call__(self, rows: list[dict]):
+        env = self._env(rows)
+        return ShuffledImages(env, shuffle_partners(rows)) if self.shuffle_images else env
+
+    def _env(self, rows: list[dict]):
         from mmrl.envs.vector import SyncVectorEnv, VectorEnv
 
         specs = [self.spec(c, i) for i, c in enumerate(rows)]
@@ -68,7 +84,7 @@ class VectorEnvFactory:
 
     def prefetch(self, rows: list[dict]) -> None:
         """Start resetting the env set of `rows` to their initial states without waiting."""
-        self(rows).reset_async(*init_ids(rows))
+        self._env(rows).reset_async(*init_ids(rows))
 
     def rollout_done(self, rows: list[dict]) -> None:
         """`run_episodes` calls this when the episodes of `rows` have ended."""
@@ -79,6 +95,48 @@ class VectorEnvFactory:
     def close(self) -> None:
         while self._cache:
             self._cache.popitem()[1].close()
+
+
+def shuffle_partners(rows: list[dict]) -> np.ndarray:
+    """For each row, the row whose images it is shown in a shuffled-image episode: the same sample
+    index of the next initial state in order (cyclically), so no row sees its own scene, nor that of
+    a row sharing its initial state (the G samples of a context start from one scene)."""
+    keys = [tuple(str(r.get(k)) for k in ("task", "suite", "task_id", "init_state_id", "init_id", "seed"))
+            for r in rows]
+    states = list(dict.fromkeys(keys))
+    if len(states) < 2:
+        raise ValueError(f"shuffled images need episodes of at least 2 initial states; these {len(rows)} rows "
+                         "share one (evaluate more held-out states)")
+    members = {k: [i for i, x in enumerate(keys) if x == k] for k in states}
+    partners = np.empty(len(rows), np.int64)
+    for j, k in enumerate(states):
+        others = members[states[(j + 1) % len(states)]]
+        for m, i in enumerate(members[k]):
+            partners[i] = others[m % len(others)]
+    return partners
+
+
+class ShuffledImages:
+    """A vector env whose observations carry other episodes' camera images (env i shows env
+    `partners[i]`'s), everything else its own: state, instruction, reward and success. A policy
+    that uses its images acts on the wrong scene here; one that ignores them does as well as with
+    its own (docs/vla_experiments.md)."""
+
+    def __init__(self, env, partners: np.ndarray):
+        self.env, self.partners = env, partners
+
+    def __getattr__(self, name: str):
+        return getattr(self.env, name)
+
+    def _swap(self, obs):
+        return replace(obs, images={c: as_numpy(v)[self.partners] for c, v in obs.images.items()})
+
+    def reset(self, *args, **kwargs):
+        return self._swap(self.env.reset(*args, **kwargs))
+
+    def step_chunk(self, actions):
+        step = self.env.step_chunk(actions)
+        return step._replace(obs=self._swap(step.obs))
 
 
 def task_env_factory(task) -> Callable[[list[dict]], Any] | None:

@@ -140,14 +140,64 @@ class RobotTask(TaskBase):
         return rows, outputs
 
     def evaluate(self, policy, n: int) -> dict[str, float]:
+        """Success on the first n held-out states per eval mode; with `eval_grounding`, also with
+        images shuffled across episodes ("shuffled_<mode>/...") and the SFT loss on demo frames
+        with their own vs shuffled images ("grounding/..."): a policy that looks does worse."""
         contexts = self.eval_batch(n)
         out: dict[str, float] = {}
-        for mode in (("greedy", "sampled") if self.eval_mode == "both" else (self.eval_mode,)):
+        modes = ("greedy", "sampled") if self.eval_mode == "both" else (self.eval_mode,)
+        for mode in modes:
             rows, outputs = self.rollouts(policy, contexts, mode)
             # "sampled/success", "sampled/success/reach", "greedy/episode_len", ...: the trainer logs
             # them as eval/<key>, apart from its own eval/<reward> and eval/sampled_<reward>.
             out.update({f"{mode}/{name}": v for name, v in episode_metrics(rows, outputs, self.group_key).items()})
+        if self.eval_grounding:
+            with self.env_factory.images_shuffled():
+                for mode in modes:
+                    rows, outputs = self.rollouts(policy, contexts, mode)
+                    m = episode_metrics(rows, outputs, self.group_key)
+                    out.update({f"shuffled_{mode}/{k}": m[k] for k in ("success", "episode_len")})
+            frames = self.demo_frames() if self.has_demos() else []
+            if frames:
+                out.update({f"grounding/{k}": v for k, v in grounding_loss(policy, frames).items()})
         return out
+
+    eval_grounding: bool = False
+
+    def has_demos(self) -> bool:
+        return getattr(self, "demos_per_task", 0) > 0 and hasattr(self, "demo_frames")
+
+    def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None):
+        """`mmrl eval` always runs the grounding check (shuffled images, SFT loss gap)."""
+        self.eval_grounding = True
+        return super().evaluate_checkpoint(cfg, policy, checkpoint, output=output, splits=splits)
+
+
+def grounding_loss(policy, frames: list[dict], n: int = 128, seed: int = 0) -> dict[str, float]:
+    """The policy's SFT loss on `n` demo frames with their own images and with images shuffled
+    among them (each frame shown another frame's cameras), and the gap shuffled - own: about 0 for
+    a policy that ignores its images. One noise draw serves both passes (flow policies sample noise
+    in their loss), and the model is in eval mode (no augmentation)."""
+    rng = np.random.default_rng(seed)
+    picked = [dict(frames[int(i)]) for i in rng.choice(len(frames), min(n, len(frames)), replace=False)]
+    if len(picked) < 2:
+        raise ValueError("the grounding loss needs at least 2 demo frames")
+    order = rng.permutation(len(picked))
+    shown = np.empty(len(picked), np.int64)
+    shown[order] = np.roll(order, 1)  # a cycle through a random order: no frame keeps its own images
+    shuffled = [{**f, "images": picked[int(j)]["images"]} for f, j in zip(picked, shown)]
+    was_training = policy.model.training
+    policy.model.eval()
+    try:
+        losses = []
+        for batch in (picked, shuffled):
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                losses.append(float(policy.sft_loss(batch)))
+    finally:
+        policy.model.train(was_training)
+    own, other = losses
+    return {"sft_loss_own": own, "sft_loss_shuffled": other, "sft_loss_gap": other - own}
 
 
 @contextlib.contextmanager
@@ -202,5 +252,5 @@ def load_sft_frames(root: Path, chunk_size: int, cameras: Sequence[str], task_of
     return frames
 
 
-__all__ = ["EVAL_MODES", "RobotTask", "check_choice", "episode_metrics", "load_sft_frames", "quiet_lerobot",
-           "rollout_episodes"]
+__all__ = ["EVAL_MODES", "RobotTask", "check_choice", "episode_metrics", "grounding_loss", "load_sft_frames",
+           "quiet_lerobot", "rollout_episodes"]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mmrl.envs.robot_task import episode_metrics
+from mmrl.envs.robot_task import episode_metrics, grounding_loss
 
 # Column titles of SRPO / SimpleVLA-RL tables.
 TITLES = {"libero_spatial": "Spatial", "libero_object": "Object", "libero_goal": "Goal", "libero_10": "Long",
@@ -66,9 +66,11 @@ def suite_tasks(cfg, suites: Sequence[str] | None, trials: int | None) -> list[t
 
 
 def evaluate_vla(policy, suites: Sequence[tuple[str | None, Any]], modes: Sequence[str] = ("greedy",),
-                 ) -> tuple[dict[str, Any], dict[str, tuple[list, list]]]:
+                 grounding: bool = False) -> tuple[dict[str, Any], dict[str, tuple[list, list]]]:
     """Per mode: success per column (suite or tabletop task), the average over columns, per task,
-    mean episode length; and per mode the (contexts, trajectories) of the first suite, for videos."""
+    mean episode length; and per mode the (contexts, trajectories) of the first suite, for videos.
+    With `grounding`, each mode's entry also holds `shuffled`: the average success with images
+    shuffled across episodes (`VectorEnvFactory.images_shuffled`)."""
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown eval mode {bad[0]!r}; valid: {', '.join(MODES)}")
@@ -92,7 +94,16 @@ def evaluate_vla(policy, suites: Sequence[tuple[str | None, Any]], modes: Sequen
                 entry["episode_len"][name] = m["episode_len"]
             entry["episodes"] += int(m["episodes"])
             raw.setdefault(mode, (rows, outputs))
+            if grounding:
+                with task.env_factory.images_shuffled():
+                    rows_s, outputs_s = task.rollouts(policy, task.eval_batch(len(task.test)), mode)
+                shuffled = episode_metrics(rows_s, outputs_s, task.group_key)
+                entry.setdefault("shuffled_columns", {}).update(
+                    {k[len("success/"):]: v for k, v in shuffled.items() if k.startswith("success/")}
+                    if name is None else {name: shuffled["success"]})
         entry["average"] = float(np.mean(list(entry["columns"].values())))
+        if grounding:
+            entry["shuffled"] = float(np.mean(list(entry["shuffled_columns"].values())))
         results[mode] = entry
     return results, raw
 
@@ -144,14 +155,20 @@ def table(records: Sequence[dict[str, Any]], mode: str = "greedy") -> str:
             if c not in columns:
                 columns.append(c)
         row["len"] += [v for v in entry.get("episode_len", {}).values() if v is not None]
-    head = "| Method | " + " | ".join(TITLES.get(c, c) for c in columns) + " | Avg | Ep. len |"
-    lines = [head, "| --- |" + " ---: |" * (len(columns) + 2)]
+        if "shuffled" in entry:
+            row["shuffled"] = entry["shuffled"]
+    # The grounding check (evaluate_vla(grounding=True)): success with images shuffled across episodes.
+    with_shuffled = any("shuffled" in row for row in rows.values())
+    extra = " Shuffled imgs |" if with_shuffled else ""
+    head = "| Method | " + " | ".join(TITLES.get(c, c) for c in columns) + " | Avg |" + extra + " Ep. len |"
+    lines = [head, "| --- |" + " ---: |" * (len(columns) + 2 + with_shuffled)]
     for method, row in rows.items():
         vals = [row["cols"].get(c) for c in columns]
         present = [v for v in vals if v is not None]
         avg = float(np.mean(present)) if present else None
         ep = f"{np.mean(row['len']):.1f}" if row["len"] else "—"
-        lines.append(f"| {method} | " + " | ".join(_pct(v) for v in vals) + f" | {_pct(avg)} | {ep} |")
+        shuffled = f" {_pct(row.get('shuffled'))} |" if with_shuffled else ""
+        lines.append(f"| {method} | " + " | ".join(_pct(v) for v in vals) + f" | {_pct(avg)} |{shuffled} {ep} |")
     return "\n".join(lines) + "\n"
 
 
@@ -248,17 +265,27 @@ def write_videos(contexts: list[dict], outputs: list[dict], out_dir: str | Path,
 
 def write_vla_report(policy, suites: Sequence[tuple[str, Any]], out_dir: str | Path, method: str = "policy",
                      modes: Sequence[str] = ("greedy",), run_dir: str | Path | None = None,
-                     n_videos: int = 4) -> dict[str, Any]:
-    """Evaluate, then write vla_eval.json, vla_eval.md, success.png and rollout videos."""
+                     n_videos: int = 4, grounding: bool = True) -> dict[str, Any]:
+    """Evaluate, then write vla_eval.json, vla_eval.md, success.png and rollout videos. With
+    `grounding`, the table gains success with shuffled images and the record the SFT loss on demo
+    frames with own vs shuffled images (`grounding_loss`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results, raw = evaluate_vla(policy, suites, modes)
+    results, raw = evaluate_vla(policy, suites, modes, grounding=grounding)
     record = {"method": method, "modes": results,
               "held_out_states": {name or "tabletop": len(task.test) for name, task in suites}}
+    demo_tasks = [task for _, task in suites if task.has_demos()] if grounding else []
+    if demo_tasks:
+        record["grounding_loss"] = grounding_loss(policy, demo_tasks[0].demo_frames())
     (out_dir / "vla_eval.json").write_text(json.dumps(record, indent=2))
     md = [f"# {method}", ""]
     for mode in results:
         md += [f"## {mode} success (%)", "", table([record], mode)]
+    if "grounding_loss" in record:
+        g = record["grounding_loss"]
+        md += ["## grounding", "", f"SFT loss per action token on demo frames: {g['sft_loss_own']:.4f} with their own "
+               f"images, {g['sft_loss_shuffled']:.4f} with shuffled ones (gap {g['sft_loss_gap']:+.4f}; "
+               "about 0 for a policy that ignores its images).", ""]
     md += ["## per task", "", per_task_markdown(record)]
     png = plot_success(run_dir, out_dir / "success.png") if run_dir is not None else None
     if png is not None:
@@ -316,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", nargs="+", default=["greedy"], choices=MODES,
                    help="greedy, and/or sampled at the training temperature")
     p.add_argument("--videos", type=int, default=4, help="rollout videos to write")
+    p.add_argument("--no-grounding", action="store_true",
+                   help="skip the grounding check (episodes with shuffled images, SFT loss own vs shuffled)")
     p.add_argument("--out", help="output folder (default: <run dir>/eval)")
     a = p.parse_args(argv)
 
@@ -328,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     suites = suite_tasks(cfg, a.suite, a.trials)
     with torch.no_grad():
         record = write_vla_report(policy, suites, a.out or run_dir / "eval", a.method or run_dir.name, a.mode,
-                                  run_dir=run_dir, n_videos=a.videos)
+                                  run_dir=run_dir, n_videos=a.videos, grounding=not a.no_grounding)
     for mode in record["modes"]:
         print(f"{mode}:")
         print(table([record], mode), end="")

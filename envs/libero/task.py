@@ -31,7 +31,7 @@ class LiberoTask(RobotTask):
                  image_size: int = 128, cameras: Sequence[str] = ("agentview",), chunk_size: int = 8,
                  num_workers: int = 0, assets_dir: str | None = None, max_episode_steps: int | None = None,
                  eval_mode: str = "greedy", eval_samples: int = 1, instructions: Sequence[str] | None = None,
-                 prefetch_resets: bool = True):
+                 prefetch_resets: bool = True, eval_grounding: bool = False):
         from mmrl.envs.libero.env import CAMERAS, suite_name
 
         self.suite = suite_name(suite)
@@ -51,6 +51,7 @@ class LiberoTask(RobotTask):
         self.seed, self.task_ids, self.cameras = seed, task_ids, list(cameras)
         self.image_size, self.chunk_size, self.num_workers = image_size, chunk_size, num_workers
         self.prefetch_resets = bool(prefetch_resets)
+        self.eval_grounding = bool(eval_grounding)
         self.assets_dir, self.max_episode_steps = assets_dir, max_episode_steps
         self.eval_mode, self.eval_samples, self.eval_trials = eval_mode, eval_samples, eval_trials
         self.demo_root = Path(demo_root) if demo_root else None

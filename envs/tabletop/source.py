@@ -90,7 +90,9 @@ class TabletopTask(RobotTask):
     named by the settings); image_size / cameras: what the env renders and the demos hold;
     num_workers: env worker processes (0 = in this process); eval_mode greedy | sampled | both and
     eval_samples episodes per held-out state when sampled; prefetch_resets: with workers, reset
-    them to the next training batch's states while the policy update runs.
+    them to the next training batch's states while the policy update runs; eval_grounding: each
+    evaluation also runs with images shuffled across episodes and reports the SFT loss gap (what
+    `mmrl eval` always does; see `RobotTask.evaluate`).
 
     position_jitter: null (default) draws every scene uniformly; a number j in metres makes the
     scenes LIBERO-like: each language instruction has one fixed layout (from layout_seed) and each
@@ -102,7 +104,7 @@ class TabletopTask(RobotTask):
                  image_size: int = 64, cameras: Sequence[str] = ("front",), chunk_size: int = 8,
                  num_workers: int = 0, max_episode_steps: int | None = None, eval_mode: str = "sampled",
                  eval_samples: int = 4, prefetch_resets: bool = True, position_jitter: float | None = None,
-                 layout_seed: int = 0):
+                 layout_seed: int = 0, eval_grounding: bool = False):
         from mmrl.envs.tabletop import CAMERAS, TASK_NAMES
         from mmrl.envs.tabletop.tasks import check_position_jitter
 
@@ -131,6 +133,7 @@ class TabletopTask(RobotTask):
         self.eval_mode, self.eval_samples = eval_mode, eval_samples
         self.num_workers, self.max_episode_steps = num_workers, max_episode_steps
         self.prefetch_resets = bool(prefetch_resets)
+        self.eval_grounding = bool(eval_grounding)
         self._demo_root = Path(demo_root) if demo_root else None
         self._frames: list[dict] | None = None
         self._env_factory = None
