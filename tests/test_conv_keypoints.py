@@ -245,3 +245,30 @@ def test_vision_values_are_checked(tokenizer):
         ActionTokenVLAPolicy(build_tiny_qwen_vl(tokenizer, "qwen2_5_vl"), processor, vision="conv_keypoints")
     with pytest.raises(ValueError, match="conv_keypoints vision tower"):
         ActionTokenVLAPolicy(conv_model(tokenizer), processor)
+
+
+def test_aux_action_loss_adds_the_heads_regression_in_train_mode_only(tokenizer, tmp_path):
+    model = build_tiny_qwen_vl(tokenizer, "qwen2_5_vl", seed=0).eval()
+    install_conv_keypoints(model, 4, seed=0, aux_dim=2 * 3)  # one chunk: chunk_size 2 x action_dim 3
+    policy = conv_policy(tokenizer, model, shift_pad=0, aux_action_loss=0.5)
+    ctx = _sft_contexts()
+    with torch.no_grad():
+        model.eval()
+        cross_entropy = policy.sft_loss(ctx).item()
+        model.train()
+        total = policy.sft_loss(ctx).item()
+        enc = policy.encode(policy._vl_contexts([[c["images"]["front"]] for c in ctx], [INSTRUCTION] * 3))
+        pred = conv_encoder(model).aux_head(conv_encoder(model)(torch.cat(enc["pixel_values"]),
+                                                                torch.cat(enc["image_grid_thw"])).pooler_output.view(3, -1))
+        target = torch.tensor(np.stack([c["actions"] for c in ctx])).flatten(1)  # already in [-1, 1] = [low, high]
+        by_hand = ((pred - target) ** 2).mean().item()
+    assert total == pytest.approx(cross_entropy + 0.5 * by_hand, rel=1e-5)
+    policy.sft_loss(ctx).backward()
+    assert conv_encoder(model).aux_head[0].weight.grad.abs().sum() > 0
+    policy.save(tmp_path)
+    back = ActionTokenVLAPolicy.from_pretrained(tmp_path, temperature=1.6)
+    assert back.config.aux_action_loss == 0.5
+    a, b = policy.model.state_dict(), back.model.state_dict()
+    assert any("aux_head" in k for k in a) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="aux_action_loss must be >= 0 and needs vision: conv_keypoints"):
+        ActionTokenVLAConfig(aux_action_loss=1.0)

@@ -177,10 +177,10 @@ class VLLMEngine:
             self.llm.sleep(level=2)
             self.asleep = True
 
-    def push_weights(self, model: nn.Module) -> None:
+    def load_weights(self, model: nn.Module) -> None:
+        """The trainer's current weights into the engine's model (in this process: by reference)."""
         weights = list(engine_weights(model))
         self.llm.apply_model(lambda engine_model: engine_model.load_weights(iter(weights)))
-        self.llm.reset_prefix_cache()  # cached prompt keys and values belong to the old weights
         self.pushed_version = weights_version(model)
 
     @torch.no_grad()
@@ -191,11 +191,13 @@ class VLLMEngine:
         a prompt adjacent, with the engine's log-probs of the sampled tokens."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-            self.push_weights(model)  # level-2 sleep released the weights
+            self.load_weights(model)  # level-2 sleep released the weights
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
+            self.llm.reset_prefix_cache()  # cached prompt keys and values belong to the old weights
         elif self.pushed_version != weights_version(model):
-            self.push_weights(model)
+            self.load_weights(model)
+            self.llm.reset_prefix_cache()
         # One draw from the run's generator seeds the call, so runs stay reproducible from train.seed.
         seed = None if generator is None else \
             int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))

@@ -81,6 +81,10 @@ class ActionTokenVLAConfig:
     # conv_keypoints: keypoints per image, one LM token each, so it must equal the image's token count;
     # None: the count the processor gives the task's camera images (task.image_size or env.image_size)
     n_keypoints: int | None = None
+    # conv_keypoints: weight of an auxiliary SFT loss that regresses the expert's action chunk from
+    # the tower's tokens through a small MLP head (0: off). Without it SFT leaves the policy
+    # image-blind on random layouts; with it the tower learns where things are (docs/vla_experiments.md).
+    aux_action_loss: float = 0.0
     # read by `from_config` only
     arch: str = "qwen2_5_vl"  # the tiny backbone (model.source: tiny)
     freeze_vision: bool = False
@@ -93,6 +97,9 @@ class ActionTokenVLAConfig:
             raise ValueError(f"unknown vision {self.vision!r}; valid: {', '.join(VISION_TOWERS)}")
         _at_least(self, 1, "action_dim", "chunk_size", "max_chunks", "n_keypoints")
         _at_least(self, 0, "shift_pad")
+        if self.aux_action_loss < 0 or (self.aux_action_loss > 0 and self.vision != "conv_keypoints"):
+            raise ValueError(f"aux_action_loss must be >= 0 and needs vision: conv_keypoints (its tokens feed the "
+                             f"head); got {self.aux_action_loss} with vision {self.vision!r}")
         _at_least(self, 2, "n_bins")
         if "{instruction}" not in self.prompt_template:
             raise ValueError(f"prompt_template must contain {{instruction}}, got {self.prompt_template!r}")

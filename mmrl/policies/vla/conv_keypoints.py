@@ -138,7 +138,8 @@ class ConvKeypointsEncoder(nn.Module):
     per keypoint (K = the image's placeholder count)."""
 
     def __init__(self, out_hidden_size: int, n_keypoints: int, *, patch_size: int, temporal_patch_size: int,
-                 spatial_merge_size: int, channels: int = 32, in_channels: int = 3, augment_pad: int = 0):
+                 spatial_merge_size: int, channels: int = 32, in_channels: int = 3, augment_pad: int = 0,
+                 aux_dim: int = 0):
         super().__init__()
         if n_keypoints < 1:
             raise ValueError(f"n_keypoints must be >= 1, got {n_keypoints}")
@@ -154,6 +155,12 @@ class ConvKeypointsEncoder(nn.Module):
         # Learnable softmax temperature (as log, so it stays positive), robomimic's SpatialSoftmax.
         self.log_temperature = nn.Parameter(torch.zeros(()))
         self.proj = nn.Linear(2 + channels, out_hidden_size)
+        # Optional: an MLP from one image's K tokens to `aux_dim` numbers (the policy's auxiliary
+        # action regression in SFT), a direct gradient path from the actions to the tower.
+        self.aux_head = None
+        if aux_dim > 0:
+            self.aux_head = nn.Sequential(nn.Linear(n_keypoints * out_hidden_size, 128), nn.ReLU(),
+                                          nn.Linear(128, aux_dim))
         # Set only inside `augmenting`: augmentation is opt-in per call, not train mode alone.
         self._augment, self._pad = False, augment_pad
         self._generator: torch.Generator | None = None
@@ -186,6 +193,16 @@ class ConvKeypointsEncoder(nn.Module):
         point_feats = attn.to(feats.dtype) @ feats.flatten(2).transpose(1, 2)  # [B, K, channels]
         tokens = self.proj(torch.cat([keypoints.to(feats.dtype), point_feats], -1))
         return tokens, keypoints
+
+    def aux_predict(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, n_rows: int) -> torch.Tensor:
+        """The auxiliary head's output [n_rows, aux_dim] for `n_rows` rows of equally many images
+        (in row order, as the processor flattens them): each image's K tokens through the head,
+        averaged over a row's images (cameras)."""
+        if self.aux_head is None:
+            raise RuntimeError("this conv_keypoints tower was built without an auxiliary head (aux_dim 0)")
+        tokens = self(pixel_values, grid_thw).pooler_output
+        per_image = self.aux_head(tokens.reshape(-1, tokens.shape[-1] * self.n_keypoints))
+        return per_image.view(n_rows, -1, per_image.shape[-1]).mean(1)
 
     def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> ConvKeypointsOutput:
         """`hidden_states`: the processor's flat patches of all images; `grid_thw` [images, 3]."""
@@ -224,7 +241,7 @@ def conv_encoder(model: nn.Module) -> ConvKeypointsEncoder | None:
 
 
 def install_conv_keypoints(model: nn.Module, n_keypoints: int, *, augment_pad: int = 0, channels: int = 32,
-                           seed: int | None = None) -> ConvKeypointsEncoder:
+                           seed: int | None = None, aux_dim: int = 0) -> ConvKeypointsEncoder:
     """Replace a Qwen-VL model's vision tower by a `ConvKeypointsEncoder` (seeded weights, the old
     tower's dtype and device); returns it. The model's state dict then holds its weights under the
     same `...visual.` prefix."""
@@ -239,7 +256,8 @@ def install_conv_keypoints(model: nn.Module, n_keypoints: int, *, augment_pad: i
         enc = ConvKeypointsEncoder(hidden, n_keypoints, patch_size=vc.patch_size,
                                    temporal_patch_size=vc.temporal_patch_size,
                                    spatial_merge_size=vc.spatial_merge_size, channels=channels,
-                                   in_channels=getattr(vc, "in_channels", 3), augment_pad=augment_pad)
+                                   in_channels=getattr(vc, "in_channels", 3), augment_pad=augment_pad,
+                                   aux_dim=aux_dim)
     p = next(old.parameters())
     owner.visual = enc.to(device=p.device, dtype=p.dtype)
     return enc

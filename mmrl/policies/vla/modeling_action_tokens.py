@@ -192,7 +192,8 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
             model = build_tiny_qwen_vl(tokenizer, c.arch, seed=cfg.train.seed, **m.tiny).to(dtype)
         if c.vision == "conv_keypoints" and conv_encoder(model) is None:  # a fresh conv tower
             n_keypoints = c.n_keypoints or _camera_token_count(task, c, processor)
-            install_conv_keypoints(model, n_keypoints, augment_pad=c.shift_pad, seed=cfg.train.seed)
+            install_conv_keypoints(model, n_keypoints, augment_pad=c.shift_pad, seed=cfg.train.seed,
+                                   aux_dim=_aux_dim(c))
         if c.freeze_vision:
             _rope_owner(model).visual.requires_grad_(False)
         model = apply_lora(model, m).to(device)
@@ -216,7 +217,10 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
             model, processor = cls.load_pretrained(path, dtype)
         finally:
             hf_logging.set_verbosity(level)
-        install_conv_keypoints(model, c.n_keypoints or saved["n_keypoints"], augment_pad=c.shift_pad)
+        # The saved head's shape decides whether it is rebuilt (its weights are in the checkpoint).
+        aux_dim = _aux_dim(ActionTokenVLAConfig(**{k: v for k, v in saved.items() if k in ACTION_VLA_PARAMS}))
+        install_conv_keypoints(model, c.n_keypoints or saved["n_keypoints"], augment_pad=c.shift_pad,
+                               aux_dim=aux_dim)
         load_conv_keypoints(model, checkpoint_dir(path))
         return model, processor
 
@@ -232,7 +236,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
             if c.n_keypoints is None:
                 raise ValueError("a plain checkpoint with vision: conv_keypoints needs n_keypoints (the camera "
                                  "image's token count)")
-            install_conv_keypoints(model, c.n_keypoints, augment_pad=c.shift_pad)
+            install_conv_keypoints(model, c.n_keypoints, augment_pad=c.shift_pad, aux_dim=_aux_dim(c))
         return cls(model.to(device), processor, c, **{k: v for k, v in kwargs.items() if k not in ACTION_VLA_PARAMS})
 
     def save(self, directory: str | Path) -> None:
@@ -242,7 +246,8 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
                "action_tokens": self.action_tokens, "cameras": self.cameras, "prompt_template": self.prompt_template,
                "vision": self.config.vision}
         if self.config.vision == "conv_keypoints":  # what loading needs to rebuild the tower before its weights
-            cfg.update(n_keypoints=self.config.n_keypoints, shift_pad=self.config.shift_pad)
+            cfg.update(n_keypoints=self.config.n_keypoints, shift_pad=self.config.shift_pad,
+                       aux_action_loss=self.config.aux_action_loss)
         (Path(directory) / ACTION_VLA_CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
 
     # ------------------------------------------------------------------ observations -> prompts
@@ -397,15 +402,31 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
     def sft_loss(self, contexts: list[dict], generator: torch.Generator | None = None) -> torch.Tensor:
         """Mean cross-entropy of the discretised expert chunks (over the action ids, temperature 1).
         A conv keypoint tower shifts the images randomly here (DrQ, drawn from `generator`; only in
-        train mode), and nowhere else."""
+        train mode), and nowhere else. In train mode with `aux_action_loss` > 0, plus that weight
+        times the mean squared error of the tower's auxiliary head on the expert chunk (actions
+        scaled to [-1, 1]); in eval mode the loss is the cross-entropy alone, so own-vs-shuffled
+        image comparisons (`grounding_loss`) measure the language model's use of the images."""
         ex = [parse_sft_context(c, i, self.cameras, self.action_dim, self.chunk_size) for i, c in enumerate(contexts)]
-        tokens = self.actions_to_tokens(torch.stack([e.actions for e in ex])).to(self.device)
-        m = torch.stack([e.valid for e in ex]).repeat_interleave(self.action_dim, 1).to(self.device)
+        actions = torch.stack([e.actions for e in ex])
+        tokens = self.actions_to_tokens(actions).to(self.device)
+        valid = torch.stack([e.valid for e in ex]).repeat_interleave(self.action_dim, 1).to(self.device)
         enc = self.encode(self._vl_contexts([e.images for e in ex], [e.instruction for e in ex]))
         conv = conv_encoder(self.model)
         with conv.augmenting(generator, self.config.shift_pad) if conv is not None else nullcontext():
             logp, _ = self._chunk_logprobs(self.model, enc, tokens, False, temperature=1.0)
-        return -torch.where(m, logp, 0.0).sum() / m.sum().clamp_min(1)
+            loss = -torch.where(valid, logp, 0.0).sum() / valid.sum().clamp_min(1)
+            if self.config.aux_action_loss > 0 and self.model.training:
+                vision = vision_inputs(enc["pixel_values"], enc["image_grid_thw"])
+                pred = conv.aux_predict(vision["pixel_values"].to(conv.dtype), vision["image_grid_thw"], len(ex)).float()
+                target = self.bins.normalise(actions).flatten(1).to(pred.device)
+                aux = torch.where(valid, (pred - target) ** 2, 0.0).sum() / valid.sum().clamp_min(1)
+                loss = loss + self.config.aux_action_loss * aux
+        return loss
+
+
+def _aux_dim(c: ActionTokenVLAConfig) -> int:
+    """Outputs of the conv tower's auxiliary head: one action chunk, or 0 (no head)."""
+    return c.chunk_size * c.action_dim if c.aux_action_loss > 0 else 0
 
 
 def _camera_token_count(task: Any, c: ActionTokenVLAConfig, processor: Any) -> int:

@@ -74,6 +74,12 @@ class ActionBins:
         lo, hi = self._t(self.low, bins), self._t(self.high, bins)
         return lo + (bins.float() + 0.5) * (hi - lo) / self.n_bins
 
+    def normalise(self, actions: torch.Tensor) -> torch.Tensor:
+        """Actions scaled so that [low, high] maps to [-1, 1] in every dim."""
+        actions = torch.as_tensor(actions, dtype=torch.float32)
+        lo, hi = self._t(self.low, actions), self._t(self.high, actions)
+        return 2 * (actions - lo) / (hi - lo) - 1
+
 
 # ----------------------------------------------------------------------------- observations
 
