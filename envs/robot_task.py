@@ -167,10 +167,27 @@ class RobotTask(TaskBase):
     def has_demos(self) -> bool:
         return getattr(self, "demos_per_task", 0) > 0 and hasattr(self, "demo_frames")
 
-    def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None):
-        """`mmrl eval` always runs the grounding check (shuffled images, SFT loss gap)."""
-        self.eval_grounding = True
-        return super().evaluate_checkpoint(cfg, policy, checkpoint, output=output, splits=splits)
+    def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None) -> Path:
+        """`mmrl eval`: every held-out state (LIBERO: each task's official initial states, the
+        published protocol) in the task's eval mode(s), written as `mmrl.evals.vla_eval` reports it
+        (vla_eval.json / .md: success per suite and task, with images shuffled too, the SFT loss
+        gap, rollout videos) into `output` (default: <run>/eval). Returns the JSON written."""
+        from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
+        from mmrl.evals.vla_eval import table, write_vla_report
+
+        if splits:
+            raise ValueError(f"--splits: {type(self).__name__} has one held-out set; --splits is for planning tasks")
+        run_dir, ckpt = resolve_checkpoint(checkpoint)
+        load_whole_checkpoint(ckpt, policy.model)
+        out_dir = Path(output) if output else Path(run_dir) / "eval"
+        modes = ("greedy", "sampled") if self.eval_mode == "both" else (self.eval_mode,)
+        with torch.no_grad():
+            record = write_vla_report(policy, [(getattr(self, "suite", None), self)], out_dir, Path(run_dir).name,
+                                      modes, run_dir=run_dir)
+        for mode in record["modes"]:
+            print(f"{mode} success (%):")
+            print(table([record], mode), end="")
+        return out_dir / "vla_eval.json"
 
 
 def grounding_loss(policy, frames: list[dict], n: int = 128, seed: int = 0) -> dict[str, float]:

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--checkpoint", required=True, help="a step_NNNNNN directory or a run directory")
-    p.add_argument("--output", help="where to write the JSON result (planning tasks: the report folder)")
+    p.add_argument("--output", help="where to write the JSON result (planning and robot tasks: the report folder)")
     p.add_argument("--splits", nargs="+", help="planning tasks: the splits to evaluate (test, ood, paper; "
                    "default: test ood, and paper when --paper-split is given)")
     p.add_argument("--paper-split", help="planning tasks: the folder holding the VPRL paper's test metadata "

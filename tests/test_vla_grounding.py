@@ -99,3 +99,23 @@ def test_vla_evaluate_with_grounding_reports_shuffled_success_and_loss_gap(tmp_p
     md = table([record], "greedy")
     assert md.splitlines()[0] == "| Method | Reach | Avg | Shuffled imgs | Ep. len |"
     assert "## grounding" in (tmp_path / "eval" / "vla_eval.md").read_text()
+
+
+def test_mmrl_eval_on_a_robot_config_writes_the_vla_report(tmp_path, capsys):
+    import json
+
+    from mmrl.cli import main
+
+    overrides = [f"task.params.demo_root={tmp_path / 'demos'}", "task.params.demos_per_task=2",
+                 "task.params.n_eval=2", "task.params.eval_samples=1", "model.params.max_chunks=2",
+                 "model.params.max_image_tokens=4", "sft.steps=1", "sft.batch_size=2", "train.steps=1",
+                 "train.prompts_per_step=1", "sampling.group_size=2", "algo.success_filter=null",
+                 "train.eval_every=0", "train.eval_size=2", "train.progress=false",
+                 f"train.output_dir={tmp_path / 'run'}"]
+    assert main(["train", str(ROOT / "configs" / "vla_tabletop_grpo.yaml"), *overrides]) == 0
+    assert main(["eval", str(ROOT / "configs" / "vla_tabletop_grpo.yaml"), *overrides,
+                 "--checkpoint", str(tmp_path / "run")]) == 0
+    record = json.loads((tmp_path / "run" / "eval" / "vla_eval.json").read_text())
+    assert set(record["modes"]) == {"sampled"} and "shuffled" in record["modes"]["sampled"]
+    assert "grounding_loss" in record
+    assert "| Method | Reach | Avg | Shuffled imgs | Ep. len |" in capsys.readouterr().out
