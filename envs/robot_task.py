@@ -145,7 +145,7 @@ class RobotTask(TaskBase):
         with their own vs shuffled images ("grounding/..."): a policy that looks does worse."""
         contexts = self.eval_batch(n)
         out: dict[str, float] = {}
-        modes = ("greedy", "sampled") if self.eval_mode == "both" else (self.eval_mode,)
+        modes = self.eval_modes()
         for mode in modes:
             rows, outputs = self.rollouts(policy, contexts, mode)
             # "sampled/success", "sampled/success/reach", "greedy/episode_len", ...: the trainer logs
@@ -164,6 +164,9 @@ class RobotTask(TaskBase):
 
     eval_grounding: bool = False
 
+    def eval_modes(self) -> tuple[str, ...]:
+        return ("greedy", "sampled") if self.eval_mode == "both" else (self.eval_mode,)
+
     def has_demos(self) -> bool:
         return getattr(self, "demos_per_task", 0) > 0 and hasattr(self, "demo_frames")
 
@@ -180,10 +183,9 @@ class RobotTask(TaskBase):
         run_dir, ckpt = resolve_checkpoint(checkpoint)
         load_whole_checkpoint(ckpt, policy.model)
         out_dir = Path(output) if output else Path(run_dir) / "eval"
-        modes = ("greedy", "sampled") if self.eval_mode == "both" else (self.eval_mode,)
         with torch.no_grad():
             record = write_vla_report(policy, [(getattr(self, "suite", None), self)], out_dir, Path(run_dir).name,
-                                      modes, run_dir=run_dir)
+                                      self.eval_modes(), run_dir=run_dir)
         for mode in record["modes"]:
             print(f"{mode} success (%):")
             print(table([record], mode), end="")

@@ -215,6 +215,12 @@ class HFStepper:
         return out.logits[:, -1, :].float()
 
 
+def through_first_eos(is_eos: torch.Tensor) -> torch.Tensor:
+    """The unit mask of sampled rows [N, T]: a unit is real up to and including its row's first EOS
+    (every unit of a row without one)."""
+    return (is_eos.long().cumsum(1) - is_eos.long()) == 0
+
+
 def sample_tokens(*args, **kwargs) -> SampleOutput:
     """See `_sample_tokens`. Runs under inference mode (less per-op bookkeeping than no_grad,
     ~15% per token on small models) and returns ordinary tensors the trainer can use."""
@@ -285,7 +291,6 @@ def _sample_tokens(
         logits = stepper.step(tok)
     tokens = torch.stack(drawn_tokens, 1)
     is_eos = tokens == eos[0] if len(eos) == 1 else torch.isin(tokens, eos)
-    # A unit is real up to and including the row's first EOS.
-    mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+    mask = through_first_eos(is_eos)
     return SampleOutput(tokens=tokens.masked_fill(~mask, pad_token_id), logp=torch.stack(drawn_logps, 1) * mask,
                         mask=mask, truncated=~finished)

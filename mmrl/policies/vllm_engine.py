@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmrl.rollout import SampleOutput
+from mmrl.rollout import SampleOutput, through_first_eos
 
 INSTALL_HINT = "pip install 'mmrl[vllm]'"
 # The most negative bias vLLM's request validation keeps (it clamps to [-100, 100]): e^-100 of a
@@ -84,10 +84,9 @@ def pack_completions(outputs, group_size: int, *, eos_token_ids: list[int], pad_
         token_t[r, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         logp_t[r, :len(logps)] = torch.tensor(logps, dtype=torch.float32)
     length = torch.tensor([len(tokens) for tokens, _ in rows])
-    is_eos = torch.isin(token_t, torch.tensor(eos_token_ids)) & (torch.arange(T) < length[:, None])
-    # The same unit mask as the HF sampler: real up to and including the first EOS, and every drawn
-    # token of a row without one.
-    mask = ((is_eos.long().cumsum(1) - is_eos.long()) == 0) & (torch.arange(T) < length[:, None])
+    drawn = torch.arange(T) < length[:, None]
+    is_eos = torch.isin(token_t, torch.tensor(eos_token_ids)) & drawn
+    mask = through_first_eos(is_eos) & drawn  # the HF sampler's mask, within the tokens drawn
     return SampleOutput(tokens=token_t.masked_fill(~mask, pad_token_id).to(device), logp=(logp_t * mask).to(device),
                         mask=mask.to(device), truncated=(~is_eos.any(1)).to(device))
 
