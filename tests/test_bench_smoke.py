@@ -63,7 +63,8 @@ def test_gpu_session_smoke(tmp_path):
     assert sorted(results) == ["caption", "planning", "video", "vla_tabletop", "vllm_rollout", "vlm"]
     vllm = results["vllm_rollout"]
     assert vllm["hf"]["tokens_per_s"] > 0 and vllm["hf"]["tokens_per_call"] == 2 * 2 * 8  # full-length rows
-    assert "does not import" in vllm["vllm"]["skipped"] or vllm["vllm"]["tokens_per_s"] > 0
+    skipped = vllm["vllm"].get("skipped", "")  # vllm absent here, or present without a GPU
+    assert "does not import" in skipped or "no CUDA GPU" in skipped or vllm["vllm"]["tokens_per_s"] > 0
     assert results["video"]["rollout_chunks_per_s"] > 0 and results["video"]["update_steps_per_s"] > 0
     assert results["vlm"]["rollout_tokens_per_s"] > 0 and results["vlm"]["update_tokens_per_s"] > 0
     planning = results["planning"]["results"]
