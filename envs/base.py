@@ -48,17 +48,23 @@ class TaskBase:
         """Text `mmrl train` prints after the run (e.g. a before/after table); none by default."""
         return ""
 
-    def evaluate_checkpoint(self, cfg, policy, checkpoint: str | Path, output: str | None = None,
-                            splits: list[str] | None = None) -> Path:
-        """`mmrl eval`: the trainer's held-out evaluation of `checkpoint`, printed and written as
-        JSON (default: eval.json in the checkpoint's run folder); returns the file written."""
+    def load_for_eval(self, policy, checkpoint: str | Path, splits: list[str] | None = None) -> tuple[Path, dict]:
+        """Load `checkpoint` (a run folder or a checkpoint in one) into `policy` for `mmrl eval`:
+        (the checkpoint's run folder, its saved state). `splits` is refused: this task has one held-out set."""
         from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
-        from mmrl.trainer import Trainer
 
         if splits:
             raise ValueError(f"--splits: {type(self).__name__} has one held-out set; --splits is for planning tasks")
         run_dir, ckpt = resolve_checkpoint(checkpoint)
-        state = load_whole_checkpoint(ckpt, policy.model)
+        return Path(run_dir), load_whole_checkpoint(ckpt, policy.model)
+
+    def evaluate_checkpoint(self, cfg, policy, checkpoint: str | Path, output: str | None = None,
+                            splits: list[str] | None = None) -> Path:
+        """`mmrl eval`: the trainer's held-out evaluation of `checkpoint`, printed and written as
+        JSON (default: eval.json in the checkpoint's run folder); returns the file written."""
+        from mmrl.trainer import Trainer
+
+        run_dir, state = self.load_for_eval(policy, checkpoint, splits)
         cfg.train.output_dir = str(run_dir)  # the evaluation belongs to the checkpoint's run
         trainer = Trainer(cfg, policy, self)
         trainer.step = state["step"]  # the results are labelled with the checkpoint's step

@@ -175,14 +175,10 @@ class RobotTask(TaskBase):
         published protocol) in the task's eval mode(s), written as `mmrl.evals.vla_eval` reports it
         (vla_eval.json / .md: success per suite and task, with images shuffled too, the SFT loss
         gap, rollout videos) into `output` (default: <run>/eval). Returns the JSON written."""
-        from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
         from mmrl.evals.vla_eval import table, write_vla_report
 
-        if splits:
-            raise ValueError(f"--splits: {type(self).__name__} has one held-out set; --splits is for planning tasks")
-        run_dir, ckpt = resolve_checkpoint(checkpoint)
-        load_whole_checkpoint(ckpt, policy.model)
-        out_dir = Path(output) if output else Path(run_dir) / "eval"
+        run_dir, _ = self.load_for_eval(policy, checkpoint, splits)
+        out_dir = Path(output) if output else run_dir / "eval"
         with torch.no_grad():
             record = write_vla_report(policy, [(getattr(self, "suite", None), self)], out_dir, Path(run_dir).name,
                                       self.eval_modes(), run_dir=run_dir)

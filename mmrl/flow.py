@@ -28,6 +28,20 @@ DanceGRPO (arXiv 2505.07818) uses the same reverse SDE with a constant noise lev
 
 Each denoising step is one decision "unit" for the loss registry: a rollout of K steps has units
 [B, K] with log-probs `sample_sde` returns and `recompute_logprobs` recomputes teacher-forced.
+
+Diffusion (DDPM / DDIM) chains are Gaussian policies the same way (DPPO, arXiv 2409.00588: the
+denoising steps of a diffusion policy as the inner level of a two-level MDP). `diffusion_step` is
+the DDIM step with noise level eta from alpha_bar_t to alpha_bar_prev,
+
+    x0 = the model's clean estimate (clipped),   eps = (x - sqrt(ab_t) x0) / sqrt(1 - ab_t)
+    (re-derived from the clipped x0, as DPPO does and diffusers' DDIM with use_clipped_model_output),
+    var = eta^2 (1 - ab_prev) / (1 - ab_t) (1 - ab_t / ab_prev),
+    mean = sqrt(ab_prev) x0 + sqrt(1 - ab_prev - var) eps,   std = max(sqrt(var), min_std).
+
+eta = 1 is DDPM's posterior q(x_prev | x_t, x0) (with "fixed_small" variance), for any step spacing;
+eta = 0 is the deterministic DDIM sampler. DPPO's floor `min_std` keeps exploring where the chain's
+own noise vanishes and gives the last step (ab_prev = 1, var = 0) a density. The log-prob is
+`gaussian_logprob`, shared with the flow steps.
 """
 
 from __future__ import annotations
@@ -40,8 +54,13 @@ import torch
 NOISE_SCHEDULES = ("flow_grpo", "constant")  # s = eta sqrt(t / (1 - t)) (Flow-GRPO), s = eta (DanceGRPO)
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, ...], t [B]) -> v [B, ...]
 
+PREDICTION_TYPES = ("epsilon", "sample", "v_prediction")  # what a diffusion model's output is (diffusers' names)
+
 __all__ = [
     "NOISE_SCHEDULES",
+    "PREDICTION_TYPES",
+    "diffusion_chain",
+    "diffusion_step",
     "flow_timesteps",
     "gaussian_logprob",
     "ode_step",
@@ -194,3 +213,53 @@ def recompute_logprobs(velocity_fn: VelocityFn, states: torch.Tensor, timesteps:
                                 noise_schedule=noise_schedule)
         out.append(gaussian_logprob(states[:, k + 1], mean, std))
     return torch.stack(out, 1)
+
+
+# ----------------------------------------------------------------------------- diffusion chains (DPPO)
+
+
+def diffusion_chain(scheduler, num_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A diffusers DDPM / DDIM scheduler's inference chain of `num_steps` steps: (timesteps [K] long,
+    alpha_bar_t [K], alpha_bar_prev [K]), each step going from timesteps[k] to the next one (the
+    last to the scheduler's final alpha_bar: 1 unless a DDIM has `set_alpha_to_one=False`)."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    scheduler.set_timesteps(num_steps)
+    timesteps = torch.as_tensor(scheduler.timesteps).long().cpu()
+    alphas = torch.as_tensor(scheduler.alphas_cumprod, dtype=torch.float64).cpu()
+    final = torch.as_tensor(getattr(scheduler, "final_alpha_cumprod", 1.0), dtype=torch.float64).reshape(1)
+    alpha_bar = alphas[timesteps]
+    alpha_bar_prev = torch.cat([alphas[timesteps[1:]], final])
+    return timesteps, alpha_bar.float(), alpha_bar_prev.float()
+
+
+def diffusion_step(x: torch.Tensor, model_output: torch.Tensor, alpha_bar: float | torch.Tensor,
+                   alpha_bar_prev: float | torch.Tensor, eta: float = 1.0, prediction_type: str = "epsilon",
+                   clip_sample: float | None = None, min_std: float = 0.0, noise: torch.Tensor | None = None,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One DDIM step with noise level eta (module docstring) from x at alpha_bar to alpha_bar_prev:
+    returns (x_prev, mean, std). `alpha_bar*` are scalars or one value per sample [B];
+    `clip_sample` clips the clean estimate to [-c, c] (lerobot's `clip_sample_range`)."""
+    if eta < 0 or min_std < 0:
+        raise ValueError(f"eta and min_std must be >= 0, got eta={eta}, min_std={min_std}")
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"unknown prediction_type {prediction_type!r}; valid: {', '.join(PREDICTION_TYPES)}")
+    ab, ab_prev = _broadcast_time(alpha_bar, x), _broadcast_time(alpha_bar_prev, x)
+    if bool((ab <= 0).any() or (ab >= 1).any() or (ab_prev < ab).any() or (ab_prev > 1).any()):
+        raise ValueError("need 0 < alpha_bar < 1 and alpha_bar <= alpha_bar_prev <= 1 (a step towards the data)")
+    sqrt_ab, sqrt_1m_ab = ab.sqrt(), (1 - ab).sqrt()
+    if prediction_type == "epsilon":
+        x0 = (x - sqrt_1m_ab * model_output) / sqrt_ab
+    elif prediction_type == "sample":
+        x0 = model_output
+    else:
+        x0 = sqrt_ab * x - sqrt_1m_ab * model_output
+    if clip_sample is not None:
+        x0 = x0.clamp(-clip_sample, clip_sample)
+    eps = (x - sqrt_ab * x0) / sqrt_1m_ab  # consistent with the (clipped) clean estimate
+    var = eta ** 2 * (1 - ab_prev) / (1 - ab) * (1 - ab / ab_prev)
+    mean = ab_prev.sqrt() * x0 + (1 - ab_prev - var).clamp_min(0).sqrt() * eps
+    std = var.sqrt().clamp_min(min_std)
+    if noise is None:
+        noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return mean + std * noise, mean, std

@@ -117,3 +117,45 @@ def test_sde_keeps_the_marginals_on_a_gaussian(schedule):
     # The ODE reaches the same marginal (sanity of the closed-form velocity).
     ode = sample_ode(v, x_T, ts)
     assert abs(ode.mean().item() - mu) < 0.03 and abs(ode.std().item() - s0) < 0.03
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "sample", "v_prediction"])
+@pytest.mark.parametrize("num_steps", [100, 10])
+def test_diffusion_step_is_the_diffusers_ddpm_and_ddim_step(prediction_type, num_steps):
+    """`diffusion_step` with eta = 1 is DDPMScheduler.step (any step spacing), with any eta it is
+    DDIMScheduler.step (eps re-derived from the clipped x0), and its std is floored at min_std."""
+    from diffusers import DDIMScheduler, DDPMScheduler
+
+    from mmrl.flow import diffusion_chain, diffusion_step
+
+    kw = dict(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2", clip_sample=True, clip_sample_range=1.0,
+              prediction_type=prediction_type)
+    g = torch.Generator().manual_seed(0)
+    x = 2 * torch.randn(3, 8, 2, generator=g)
+    ddpm = DDPMScheduler(**kw)
+    timesteps, ab, ab_prev = diffusion_chain(ddpm, num_steps)
+    assert timesteps.tolist() == ddpm.timesteps.tolist() and ab_prev[-1] == 1.0
+    for k, t in enumerate(timesteps.tolist()):
+        out = torch.randn(x.shape, generator=g)
+        ref = ddpm.step(out, t, x, generator=torch.Generator().manual_seed(k)).prev_sample
+        noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(k)) if t > 0 else torch.zeros_like(x)
+        _, mean, std = diffusion_step(x, out, ab[k], ab_prev[k], eta=1.0, prediction_type=prediction_type,
+                                      clip_sample=1.0, noise=noise)
+        assert (mean + std * noise - ref).abs().max() < 1e-4, (k, t)
+    ddim = DDIMScheduler(**kw)
+    timesteps, ab, ab_prev = diffusion_chain(ddim, num_steps)
+    for eta in (0.0, 0.5, 1.0):
+        for k, t in enumerate(timesteps.tolist()):
+            out, noise = torch.randn(x.shape, generator=g), torch.randn(x.shape, generator=g)
+            ref = ddim.step(out, t, x, eta=eta, variance_noise=noise, use_clipped_model_output=True).prev_sample
+            x_prev, _, std = diffusion_step(x, out, ab[k], ab_prev[k], eta=eta, prediction_type=prediction_type,
+                                            clip_sample=1.0, noise=noise)
+            assert (x_prev - ref).abs().max() < 1e-4, (eta, k)
+    # The last step has no noise of its own: the floor is its std, and the log-prob exists.
+    _, mean, std = diffusion_step(x, out, ab[-1], ab_prev[-1], eta=1.0, min_std=0.1, noise=torch.zeros_like(x))
+    assert float(std) == pytest.approx(0.1)
+    assert torch.isfinite(gaussian_logprob(mean + 0.1, mean, std)).all()
+    with pytest.raises(ValueError, match="unknown prediction_type 'x0'; valid: epsilon, sample, v_prediction"):
+        diffusion_step(x, out, ab[0], ab_prev[0], prediction_type="x0")
+    with pytest.raises(ValueError, match="alpha_bar"):
+        diffusion_step(x, out, ab_prev[0], ab[0])

@@ -18,6 +18,7 @@ POLICIES: dict[str, str] = {
     "visual_planner": "mmrl.policies.visual_planner.modeling:VisualPlannerPolicy",
     "action_vla": "mmrl.policies.vla.modeling_action_tokens:ActionTokenVLAPolicy",
     "smolvla": "mmrl.policies.vla.modeling_smolvla:SmolVLAPolicy",
+    "diffusion": "mmrl.policies.vla.modeling_diffusion:DiffusionActionPolicy",
     "video_gen": "mmrl.policies.video.modeling:VideoGenPolicy",
 }
 

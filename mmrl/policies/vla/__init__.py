@@ -1,14 +1,16 @@
 """Vision-language-action policies, split as lerobot's are:
 
 - `configuration`: the typed `model.params` of each backbone (`ActionTokenVLAConfig`,
-  `SmolVLAConfig`: defaults, value checks, the `PARAMS` keys `check_params` accepts) and the
+  `SmolVLAConfig`, `DiffusionPolicyConfig`: defaults, value checks, the `PARAMS` keys `check_params` accepts) and the
   constants (action-token modes, the default prompt, the saved-config file names);
 - `processor`: what turns data into model inputs and back, shared by every backbone (action bins and
   `<act_i>` tokens, camera images of an observation batch, the one SFT-context parser, the acted
   chunks of a rollout window, the decoded episodes the rewards read, the tiny tokenizer's corpus);
 - `modeling_<name>`: one policy adapter per backbone: `modeling_action_tokens`
   (`ActionTokenVLAPolicy`, OpenVLA-style action tokens on Qwen-VL, policy name `action_vla`),
-  `modeling_smolvla` (`SmolVLAPolicy`, lerobot's SmolVLA with a flow-matching expert, `smolvla`).
+  `modeling_smolvla` (`SmolVLAPolicy`, lerobot's SmolVLA with a flow-matching expert, `smolvla`),
+  `modeling_diffusion` (`DiffusionActionPolicy`, lerobot's Diffusion Policy trained with DPPO,
+  `diffusion`).
 
 Every backbone rolls out with the episode runner of `mmrl.envs.episodes`.
 

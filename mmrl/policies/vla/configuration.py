@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 ACTION_TOKEN_MODES = ("special", "vocab_tail")
+NOISE_SCHEDULERS = ("DDPM", "DDIM")  # lerobot's Diffusion Policy noise_scheduler_type
 VISION_TOWERS = ("qwen_vl", "conv_keypoints")  # the model's own ViT, or `conv_keypoints.ConvKeypointsEncoder`
 DEFAULT_PROMPT = "What action should the robot take to {instruction}?"
 # Saved-config file names inside a checkpoint directory (unchanged, so old checkpoints load).
 ACTION_VLA_CONFIG_NAME = "action_vla.json"
 SMOLVLA_CONFIG_NAME = "mmrl_smolvla.json"
+DIFFUSION_CONFIG_NAME = "mmrl_diffusion.json"
 
 C = TypeVar("C")
 
@@ -134,7 +136,46 @@ class SmolVLAConfig:
         self.cameras = _camera_list(self.cameras)
 
 
+@dataclass
+class DiffusionPolicyConfig:
+    """`model.params` of `diffusion` (`DiffusionActionPolicy`: lerobot's Diffusion Policy trained
+    with DPPO). The sizes only shape a `model.source: tiny` build; a pretrained directory carries
+    its own. lerobot's Diffusion Policy reads no language: the task must show its goal in the image."""
+
+    eta: float = 1.0  # DDIM noise level of the sampled chain (1: DDPM's posterior, 0: deterministic DDIM)
+    min_std: float = 0.1  # DPPO's floor on each denoising step's std (> 0: every step has a log-prob)
+    num_steps: int | None = None  # denoising steps; None: the model's num_inference_steps (a tiny build: 10)
+    n_action_steps: int | None = None  # actions executed per chunk; None: the model's
+    cameras: list[str] | None = None  # None: the model's image features (a tiny build: env cameras or front)
+    max_chunks: int = 64
+    # read by `from_config` only (a tiny build)
+    horizon: int = 8  # actions per sampled chunk; a multiple of 2 ** (len(down_dims) - 1)
+    state_dim: int = 8
+    action_dim: int = 7
+    image_size: int = 64
+    down_dims: list[int] = field(default_factory=lambda: [32, 64])  # the 1-D U-Net's widths
+    keypoints: int = 16  # spatial soft-argmax keypoints of the ResNet-18 image encoder
+    noise_scheduler: str = "DDIM"  # lerobot's noise_scheduler_type: DDPM or DDIM
+    num_train_timesteps: int = 100
+    dataset_stats: dict[str, dict[str, Any]] | None = None
+    env: dict[str, Any] = field(default_factory=dict)  # VectorEnvFactory kwargs when the task has no env
+
+    def __post_init__(self) -> None:
+        if self.eta < 0 or self.min_std <= 0:
+            raise ValueError(f"need eta >= 0 and min_std > 0 (the last denoising step has no noise of its own, so "
+                             f"min_std gives it a log-prob); got eta={self.eta}, min_std={self.min_std}")
+        if self.noise_scheduler not in NOISE_SCHEDULERS:
+            raise ValueError(f"unknown noise_scheduler {self.noise_scheduler!r}; valid: {', '.join(NOISE_SCHEDULERS)}")
+        _at_least(self, 1, "num_steps", "n_action_steps", "max_chunks", "horizon", "state_dim", "action_dim",
+                  "image_size", "keypoints", "num_train_timesteps")
+        if not self.down_dims or self.horizon % 2 ** (len(self.down_dims) - 1):
+            raise ValueError(f"horizon {self.horizon} must be a multiple of 2 ** (len(down_dims) - 1) "
+                             f"(the U-Net halves it per stage); down_dims={self.down_dims}")
+        self.cameras = _camera_list(self.cameras)
+
+
 ACTION_VLA_PARAMS = param_names(ActionTokenVLAConfig)
+DIFFUSION_PARAMS = param_names(DiffusionPolicyConfig)
 SMOLVLA_PARAMS = param_names(SmolVLAConfig)
 
 __all__ = [
@@ -142,6 +183,10 @@ __all__ = [
     "ACTION_VLA_CONFIG_NAME",
     "ACTION_VLA_PARAMS",
     "DEFAULT_PROMPT",
+    "DIFFUSION_CONFIG_NAME",
+    "DIFFUSION_PARAMS",
+    "DiffusionPolicyConfig",
+    "NOISE_SCHEDULERS",
     "SMOLVLA_CONFIG_NAME",
     "SMOLVLA_PARAMS",
     "ActionTokenVLAConfig",

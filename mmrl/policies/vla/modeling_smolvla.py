@@ -49,6 +49,8 @@ from mmrl.policies.vla.configuration import (
 from mmrl.policies.vla.processor import (
     acted_chunks,
     decode_episodes,
+    denoising_inputs,
+    denoising_rollout,
     instruction_corpus,
     observation_field,
     observation_images,
@@ -321,22 +323,7 @@ class SmolVLAPolicy(FlowPolicyBase):
 
         ep = run_episodes(self.env_factory, [dict(c) for c in contexts for _ in range(G)], act, self.max_chunks,
                           self.cameras)
-        N, S, dev = len(ep.rows), len(ep.steps), self.device
-        units = torch.zeros(N, S, K, *self.chunk_shape, device=dev)
-        logp = torch.zeros(N, S, K, device=dev)
-        mask = torch.zeros(N, S, K, dtype=torch.bool, device=dev)
-        x_init: list[list[torch.Tensor]] = [[] for _ in range(N)]
-        for s, (idx, out, _) in enumerate(ep.steps):
-            rows = torch.as_tensor(idx, device=dev)
-            units[rows, s], logp[rows, s], mask[rows, s] = out["states"][:, 1:], out["logp"], True
-            for j, i in enumerate(idx.tolist()):
-                x_init[i].append(out["states"][j, 0])
-        extras = ep.extras(dev)
-        extras["x_init"] = [torch.stack(x) if x else torch.zeros(0, *self.chunk_shape, device=dev) for x in x_init]
-        return Rollout(
-            units=units.view(N, S * K, *self.chunk_shape), logp_old=logp.view(N, S * K), mask=mask.view(N, S * K),
-            truncated=torch.as_tensor(~ep.done, device=dev), max_units=self.max_chunks * K, contexts=ep.rows,
-            extras=extras)
+        return denoising_rollout(ep, K, self.chunk_shape, self.max_chunks, self.device)
 
     def decode(self, rollout: Rollout) -> list[dict[str, Any]]:
         return decode_episodes(rollout)
@@ -361,14 +348,9 @@ class SmolVLAPolicy(FlowPolicyBase):
         rows, steps, start, stop = acted_chunks(rollout.mask, K, window)
         out = torch.zeros(N, S, K, device=self.device)
         if len(rows):
-            r, s = rows.tolist(), steps.tolist()
-            imgs = np.stack([rollout.extras["obs_images"][n][k].cpu().numpy() for n, k in zip(r, s)])
-            sts = np.stack([rollout.extras["obs_state"][n][k].cpu().numpy() for n, k in zip(r, s)])
-            instr = [rollout.contexts[n]["instruction"] for n in r]
-            x0 = torch.stack([rollout.extras["x_init"][n][k] for n, k in zip(r, s)]).to(self.device)
-            states = torch.cat([x0[:, None], rollout.units.view(N, S, K, *self.chunk_shape)[rows, steps]], 1)
-            pad, cache = self._prefix(model, self._batch(imgs, sts, instr))
-            out = out.index_put((rows, steps), self._step_logprobs(model, pad, cache, states))
+            images, states, instructions, chains = denoising_inputs(rollout, rows, steps, K, self.device)
+            pad, cache = self._prefix(model, self._batch(images, states, instructions))
+            out = out.index_put((rows, steps), self._step_logprobs(model, pad, cache, chains))
         return torch.where(rollout.mask[:, start:stop], out.view(N, S * K)[:, start:stop], 0.0)
 
     def _step_logprobs(self, model: nn.Module, pad: torch.Tensor, cache, states: torch.Tensor) -> torch.Tensor:

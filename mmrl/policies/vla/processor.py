@@ -15,7 +15,9 @@
       state        "state", or "observation.state"
 
 - rollouts: `acted_chunks` finds the chunks a window of a trajectory rollout's units touches (units
-  are chunk-major, `per_chunk` per chunk), `decode_episodes` gives what the robot rewards read.
+  are chunk-major, `per_chunk` per chunk), `decode_episodes` gives what the robot rewards read;
+  `denoising_rollout` / `denoising_inputs` pack and unpack the denoising chains of a generative
+  action head (SmolVLA's flow expert, the Diffusion policy) as units.
 - text: `instruction_corpus` is what a tiny local tokenizer is trained on.
 """
 
@@ -30,6 +32,7 @@ import torch
 
 from mmrl.envs.episodes import as_numpy, image_hwc
 from mmrl.policies.vla.configuration import DEFAULT_PROMPT
+from mmrl.rollout import Rollout
 
 IMAGE_PREFIX = "observation.images."
 
@@ -172,6 +175,40 @@ def acted_chunks(mask: torch.Tensor, per_chunk: int, window: slice | None = None
     return rows, steps, start, stop
 
 
+def denoising_rollout(ep, num_steps: int, chunk_shape: tuple[int, ...], max_chunks: int, device) -> Rollout:
+    """Episodes whose `act` outputs hold each chunk's denoising chain ("states" [B, K+1, *chunk_shape],
+    "logp" [B, K]) as a Rollout of denoising steps: `units[n, s*K + k]` is the state after step k of
+    chunk s, `extras["x_init"][n][s]` the chunk's starting noise."""
+    N, S, K = len(ep.rows), len(ep.steps), num_steps
+    units = torch.zeros(N, S, K, *chunk_shape, device=device)
+    logp = torch.zeros(N, S, K, device=device)
+    mask = torch.zeros(N, S, K, dtype=torch.bool, device=device)
+    x_init: list[list[torch.Tensor]] = [[] for _ in range(N)]
+    for s, (idx, out, _) in enumerate(ep.steps):
+        rows = torch.as_tensor(idx, device=device)
+        units[rows, s], logp[rows, s], mask[rows, s] = out["states"][:, 1:], out["logp"], True
+        for j, i in enumerate(idx.tolist()):
+            x_init[i].append(out["states"][j, 0])
+    extras = ep.extras(device)
+    extras["x_init"] = [torch.stack(x) if x else torch.zeros(0, *chunk_shape, device=device) for x in x_init]
+    return Rollout(units=units.view(N, S * K, *chunk_shape), logp_old=logp.view(N, S * K), mask=mask.view(N, S * K),
+                   truncated=torch.as_tensor(~ep.done, device=device), max_units=max_chunks * K, contexts=ep.rows,
+                   extras=extras)
+
+
+def denoising_inputs(rollout: Rollout, rows: torch.Tensor, steps: torch.Tensor, num_steps: int, device):
+    """What re-scores chunks (rows[i], steps[i]) of a `denoising_rollout`: their observations
+    (uint8 images [M, C, H, W, 3], states [M, D], instructions) and chains [M, K+1, *chunk_shape]."""
+    r, s = rows.tolist(), steps.tolist()
+    images = np.stack([rollout.extras["obs_images"][n][k].cpu().numpy() for n, k in zip(r, s)])
+    states = np.stack([rollout.extras["obs_state"][n][k].cpu().numpy() for n, k in zip(r, s)])
+    instructions = [rollout.contexts[n].get("instruction", "") for n in r]
+    x_init = torch.stack([rollout.extras["x_init"][n][k] for n, k in zip(r, s)]).to(device)
+    N, chunk_shape = len(rollout), rollout.units.shape[2:]
+    chains = rollout.units.view(N, -1, num_steps, *chunk_shape)[rows, steps]
+    return images, states, instructions, torch.cat([x_init[:, None], chains], 1)
+
+
 def decode_episodes(rollout) -> list[dict[str, Any]]:
     """{"success", "frames" (first camera), "length" (env steps), "instruction"} per trajectory,
     what the `success` and `srpo_progress` rewards read."""
@@ -196,6 +233,8 @@ __all__ = [
     "action_token_names",
     "add_action_tokens",
     "decode_episodes",
+    "denoising_inputs",
+    "denoising_rollout",
     "instruction_corpus",
     "observation_field",
     "observation_images",
