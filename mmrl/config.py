@@ -116,6 +116,11 @@ class AlgoConfig:
     # adds guide_coef x the policy's supervised loss on the task's expert target to the update.
     guide_below: float | None = None
     guide_coef: float = 1.0
+    # Behaviour-cloning regularisation (DAPG, arXiv 1709.10087; VLA recipes that mix SFT into RL):
+    # every optimizer step of the RL update adds sft_coef x the policy's supervised loss on a fresh
+    # task.sft_batch of sft_batch_size (default: sft.batch_size) expert examples. 0: off.
+    sft_coef: float = 0.0
+    sft_batch_size: int | None = None
     gfpo_keep: int = 0  # > 0: GFPO, keep this many of each group by `gfpo_metric`; the rest get 0
     gfpo_metric: Literal["shortest", "reward_per_length"] = "shortest"
     # Perception (docs/algorithms.md, "Perception-aware terms"): the policy scores the sampled
@@ -520,6 +525,9 @@ def validate(cfg: RunConfig) -> None:
     _check(0 <= a.prompt_replay <= 1, f"algo.prompt_replay must be in [0, 1] (0 = off), got {a.prompt_replay}")
     _check(a.prompt_replay_size >= 1, f"algo.prompt_replay_size must be >= 1, got {a.prompt_replay_size}")
     _check(a.guide_coef > 0, f"algo.guide_coef must be > 0, got {a.guide_coef}")
+    _check(a.sft_coef >= 0, f"algo.sft_coef must be >= 0, got {a.sft_coef}")
+    _check(a.sft_batch_size is None or a.sft_batch_size >= 1,
+           f"algo.sft_batch_size must be >= 1 (or null: sft.batch_size), got {a.sft_batch_size}")
     _check(a.papo_gamma >= 0, f"algo.papo_gamma must be >= 0 (0 = off), got {a.papo_gamma}")
     _check(a.papo_kl_max >= 0, f"algo.papo_kl_max must be >= 0 (0 = no clip), got {a.papo_kl_max}")
     _check(len(a.papo_entropy) == 2 and min(a.papo_entropy) >= 0,

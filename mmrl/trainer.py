@@ -130,6 +130,7 @@ class Trainer:
         rank_seed = t.seed + RANK_SEED_STRIDE * self.dist.rank
         self.sample_gen = torch.Generator(device=self.device).manual_seed(rank_seed)
         self.shuffle_gen = torch.Generator().manual_seed(rank_seed + 1)
+        self.sft_mix_rng = np.random.default_rng(rank_seed + 3)  # the expert batches of algo.sft_coef
         self.step = 0
         self.group_offset = 0
         self.sft_done = cfg.sft.steps == 0
@@ -178,6 +179,7 @@ class Trainer:
             "sft_progress": self.sft_progress,
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state({"sample": self.sample_gen, "shuffle": self.shuffle_gen}),
+            "sft_mix_rng": self.sft_mix_rng.bit_generator.state,
             "task": self.task.state_dict(),
             "eval_history": self.eval_history,
             "replay": self.replay.state_dict() if self.replay is not None else None,
@@ -208,6 +210,8 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], {"sample": self.sample_gen, "shuffle": self.shuffle_gen})
+        if state.get("sft_mix_rng") is not None:
+            self.sft_mix_rng.bit_generator.state = state["sft_mix_rng"]
         if state.get("rank") not in (None, self.dist.rank):  # another rank's streams: do not share them
             rank_seed = self.cfg.train.seed + RANK_SEED_STRIDE * self.dist.rank + self.step
             self.sample_gen.manual_seed(rank_seed)
@@ -456,6 +460,15 @@ class Trainer:
         loss.backward()
         return loss.item()
 
+    def sft_mix_backward(self) -> float:
+        """Backward of algo.sft_coef x the supervised loss on a fresh expert batch of the task."""
+        a = self.cfg.algo
+        with self.autocast:
+            loss = self.policy.sft_loss(self.task.sft_batch(a.sft_batch_size or self.cfg.sft.batch_size,
+                                                            self.sft_mix_rng))
+        (a.sft_coef * loss).backward()
+        return loss.item()
+
     def pad_rows(self, rollout: Rollout, adv: torch.Tensor) -> tuple[Rollout, torch.Tensor]:
         """FSDP: pad this rank's rows to the most any rank has, with copies of a sampled row whose
         units are all masked out (they add nothing to any loss term, normaliser or metric), so every
@@ -652,9 +665,11 @@ class Trainer:
                             sums[k] = min(sums.get(k, v), v)
                         else:  # row-weighted mean (padding rows weigh nothing)
                             sums[k] += v * int((micro < n_real).sum()) / (max(1, n_real) * t.ppo_epochs)
+                if a.sft_coef > 0:
+                    sums["sft_loss"] += self.sft_mix_backward()
                 sums["grad_norm"] += self._optimizer_step()
                 n_updates += 1
-        out = {f"train/{k}": v / max(1, n_updates) if k in ("loss", "grad_norm", *SUMMED_TERMS) else v
+        out = {f"train/{k}": v / max(1, n_updates) if k in ("loss", "grad_norm", "sft_loss", *SUMMED_TERMS) else v
                for k, v in sums.items()}
         out["train/lr"] = self.scheduler.get_last_lr()[0]
         out.update(correction_metrics)

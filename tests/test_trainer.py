@@ -192,6 +192,36 @@ def test_guidance_adds_the_supervised_loss_of_failed_groups_to_the_update(tmp_pa
         assert torch.allclose(g_guided[k], g_plain[k] + g_sft[k], atol=1e-6, rtol=1e-4), k
 
 
+def test_sft_coef_adds_a_fresh_expert_batch_to_every_optimizer_step(tmp_path):
+    def make(**algo):  # no clipping: the gradients are compared as computed
+        return build(make_cfg(tmp_path, algo=algo, train={"grad_clip": 1e9}, sft={"batch_size": 6}))
+
+    trainer = make(sft_coef=0.3)
+    rollout, _ = trainer.collect()
+    plain, sft_only = make(), make()
+    for t in (plain, sft_only):
+        t.policy.model.load_state_dict(trainer.policy.model.state_dict())
+    # The batch the update draws: the trainer's own stream, which a checkpoint carries.
+    state = trainer.state_dict()
+    probe = np.random.default_rng()
+    probe.bit_generator.state = state["sft_mix_rng"]
+    expert = trainer.task.sft_batch(6, probe)
+    m = trainer.update(rollout)
+    plain.update(rollout)
+    (0.3 * sft_only.policy.sft_loss(expert)).backward()
+    g_mixed, g_plain, g_sft = grads(trainer), grads(plain), grads(sft_only)
+    assert m["train/sft_loss"] > 0 and "train/sft_loss" not in plain.update(rollout)
+    for k in g_mixed:
+        assert torch.allclose(g_mixed[k], g_plain[k] + g_sft[k], atol=1e-6, rtol=1e-4), k
+    # The stream moved on, and a resumed trainer continues it where the checkpoint left it.
+    assert trainer.sft_mix_rng.bit_generator.state != state["sft_mix_rng"]
+    trainer.step = 1
+    trainer.save()
+    resumed = make(sft_coef=0.3)
+    resumed.resume()
+    assert resumed.sft_mix_rng.bit_generator.state == trainer.sft_mix_rng.bit_generator.state
+
+
 def test_guidance_steps_even_when_filtering_leaves_no_group(tmp_path):
     if "test_zero" not in REWARDS:
         register_reward("test_zero")(lambda contexts, outputs, **_: torch.zeros(len(outputs)))

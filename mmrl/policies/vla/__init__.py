@@ -6,6 +6,9 @@
 - `processor`: what turns data into model inputs and back, shared by every backbone (action bins and
   `<act_i>` tokens, camera images of an observation batch, the one SFT-context parser, the acted
   chunks of a rollout window, the decoded episodes the rewards read, the tiny tokenizer's corpus);
+- `lerobot_policy`: what the adapters of lerobot's generative action heads share (building and
+  loading a lerobot policy with its processors offline; episodes, decoding and saving of a policy
+  whose units are denoising steps);
 - `modeling_<name>`: one policy adapter per backbone: `modeling_action_tokens`
   (`ActionTokenVLAPolicy`, OpenVLA-style action tokens on Qwen-VL, policy name `action_vla`),
   `modeling_smolvla` (`SmolVLAPolicy`, lerobot's SmolVLA with a flow-matching expert, `smolvla`),

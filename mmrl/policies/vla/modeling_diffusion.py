@@ -24,7 +24,6 @@ task must show its goal in the image).
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.envs.episodes import VectorEnvFactory, as_numpy, run_episodes, task_env_factory
+from mmrl.envs.episodes import VectorEnvFactory, as_numpy, task_env_factory
 from mmrl.flow import diffusion_chain, diffusion_step, gaussian_logprob
-from mmrl.policies.base import FlowPolicyBase
 from mmrl.policies.vla.configuration import (
     DIFFUSION_CONFIG_NAME,
     DIFFUSION_PARAMS,
@@ -43,11 +41,10 @@ from mmrl.policies.vla.configuration import (
     read_saved_config,
     resolve_config,
 )
+from mmrl.policies.vla.lerobot_policy import LeRobotChunkPolicy, build_lerobot, load_lerobot, robot_features
 from mmrl.policies.vla.processor import (
     acted_chunks,
-    decode_episodes,
     denoising_inputs,
-    denoising_rollout,
     observation_field,
     observation_images,
     parse_sft_context,
@@ -64,54 +61,35 @@ def build_tiny_diffusion(cameras: Sequence[str] = ("front",), *, state_dim: int 
                          device: str = "cpu", dataset_stats: dict[str, dict[str, Any]] | None = None):
     """A small lerobot Diffusion Policy (ResNet-18 encoder with group norm, no pretrained weights,
     so no download): (lerobot policy, pre-processor, post-processor)."""
-    from lerobot.configs.types import FeatureType, PolicyFeature
     from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
     from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
-    from lerobot.policies.factory import make_pre_post_processors
 
     cfg = DiffusionConfig(
         n_obs_steps=1, horizon=horizon, n_action_steps=n_action_steps or horizon, drop_n_last_frames=0,
         pretrained_backbone_weights=None, use_group_norm=True, crop_shape=None,
         spatial_softmax_num_keypoints=keypoints, down_dims=tuple(down_dims), kernel_size=3,
         diffusion_step_embed_dim=32, noise_scheduler_type=noise_scheduler, num_train_timesteps=num_train_timesteps,
-        num_inference_steps=num_steps, device=device,
-        input_features={**{f"{OBS_IMAGES}.{c}": PolicyFeature(FeatureType.VISUAL, (3, image_size, image_size))
-                           for c in cameras},
-                        OBS_STATE: PolicyFeature(FeatureType.STATE, (state_dim,))},
-        output_features={"action": PolicyFeature(FeatureType.ACTION, (action_dim,))})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        policy = DiffusionPolicy(cfg)
-    pre, post = make_pre_post_processors(cfg, dataset_stats=dataset_stats)
-    return policy.to(device), pre, post
+        num_inference_steps=num_steps, device=device, **robot_features(cameras, image_size, state_dim, action_dim))
+    return build_lerobot(DiffusionPolicy, cfg, seed, device, dataset_stats)
 
 
 def load_diffusion(path: str | Path, device: str = "cpu"):
     """A Diffusion Policy directory written by lerobot or by `DiffusionActionPolicy.save`: (lerobot
     policy, pre-processor, post-processor) on `device`."""
-    from lerobot.configs.policies import PreTrainedConfig
     from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
-    from lerobot.policies.factory import make_pre_post_processors
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: not a saved Diffusion Policy directory")
-    cfg = PreTrainedConfig.from_pretrained(path)
-    if getattr(cfg, "type", "diffusion") != "diffusion":
-        raise ValueError(f"{path} holds a {cfg.type!r} policy, not a Diffusion Policy")
-    cfg.device = str(device)
-    cfg.pretrained_backbone_weights = None  # the checkpoint has the weights; never download torchvision's
-    model = DiffusionPolicy.from_pretrained(path, config=cfg).to(device)
-    pre, post = make_pre_post_processors(cfg, pretrained_path=str(path),
-                                         preprocessor_overrides={"device_processor": {"device": str(device)}})
-    return model, pre, post
+    def no_download(cfg) -> None:  # the checkpoint has the weights; never fetch torchvision's
+        cfg.pretrained_backbone_weights = None
+
+    return load_lerobot(path, device, DiffusionPolicy, adjust=no_download)
 
 
-class DiffusionActionPolicy(FlowPolicyBase):
+class DiffusionActionPolicy(LeRobotChunkPolicy):
     """`model` is the lerobot DiffusionPolicy (the trainable module); `config` the `model.params`
     (`DiffusionPolicyConfig`), keywords given as `params` override its fields."""
 
     PARAMS = DIFFUSION_PARAMS
+    CONFIG_NAME = DIFFUSION_CONFIG_NAME
 
     def __init__(self, model: nn.Module, preprocessor, postprocessor, config: DiffusionPolicyConfig | None = None, *,
                  env_factory: Callable[[list[dict]], Any] | None = None, **params):
@@ -169,14 +147,9 @@ class DiffusionActionPolicy(FlowPolicyBase):
     def from_pretrained(cls, path: str | Path, device: str = "cpu", **kwargs) -> DiffusionActionPolicy:
         return cls(*load_diffusion(path, device), **{**read_saved_config(path, DIFFUSION_CONFIG_NAME), **kwargs})
 
-    def save(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        self.model.save_pretrained(directory)
-        self.preprocessor.save_pretrained(directory)
-        self.postprocessor.save_pretrained(directory)
-        saved = {"eta": self.eta, "min_std": self.min_std, "num_steps": self.num_steps,
-                 "n_action_steps": self.n_action_steps, "cameras": self.cameras}
-        (directory / DIFFUSION_CONFIG_NAME).write_text(json.dumps(saved, indent=2))
+    def saved_settings(self) -> dict[str, Any]:
+        return {"eta": self.eta, "min_std": self.min_std, "num_steps": self.num_steps,
+                "n_action_steps": self.n_action_steps, "cameras": self.cameras}
 
     # ------------------------------------------------------------------ observations and the chain
 
@@ -237,9 +210,10 @@ class DiffusionActionPolicy(FlowPolicyBase):
         """One chunk per row: {"actions" [B, n_action_steps, A], "states" [B, K+1, horizon, A],
         "logp" [B, K]}. `observations` has "images" {camera: uint8 [B, H, W, 3]} and "state" [B, D]."""
         arr = observation_images(observations, self.cameras)
-        return self._act_arrays(arr, as_numpy(observation_field(observations, "state")), generator, temperature)
+        return self._act_arrays(arr, as_numpy(observation_field(observations, "state")), [], generator, temperature)
 
-    def _act_arrays(self, images, states, generator, temperature) -> dict[str, torch.Tensor]:
+    def _act_arrays(self, images, states, instructions, generator, temperature) -> dict[str, torch.Tensor]:
+        """The instructions are ignored: lerobot's Diffusion Policy reads no language."""
         with self._eval_mode(self.model), torch.inference_mode():
             states_t, logp = self._sample_chunks(self._batch(images, states), generator,
                                                  stochastic=temperature != 0.0)
@@ -257,24 +231,6 @@ class DiffusionActionPolicy(FlowPolicyBase):
             yield
         finally:
             model.train(was_training)
-
-    # ------------------------------------------------------------------ episodes
-
-    @torch.no_grad()
-    def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
-               temperature: float | None = None) -> Rollout:
-        """Whole episodes, G per context; `temperature=0` runs deterministic DDIM (evaluation)."""
-
-        def act(images: np.ndarray, states: np.ndarray, instructions: list[str]):
-            out = self._act_arrays(images, states, generator, temperature)
-            return out["actions"], out
-
-        ep = run_episodes(self.env_factory, [dict(c) for c in contexts for _ in range(group_size)], act,
-                          self.max_chunks, self.cameras)
-        return denoising_rollout(ep, self.num_steps, self.chunk_shape, self.max_chunks, self.device)
-
-    def decode(self, rollout: Rollout) -> list[dict[str, Any]]:
-        return decode_episodes(rollout)
 
     # ------------------------------------------------------------------ teacher forcing
 

@@ -26,7 +26,6 @@ are read by `mmrl.policies.vla.processor.parse_sft_context`, the same reader as 
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,9 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.envs.episodes import VectorEnvFactory, as_numpy, run_episodes, task_env_factory
+from mmrl.envs.episodes import VectorEnvFactory, as_numpy, task_env_factory
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
-from mmrl.policies.base import FlowPolicyBase
 from mmrl.policies.vla.configuration import (
     SMOLVLA_CONFIG_NAME,
     SMOLVLA_PARAMS,
@@ -46,11 +44,10 @@ from mmrl.policies.vla.configuration import (
     read_saved_config,
     resolve_config,
 )
+from mmrl.policies.vla.lerobot_policy import LeRobotChunkPolicy, build_lerobot, load_lerobot, robot_features
 from mmrl.policies.vla.processor import (
     acted_chunks,
-    decode_episodes,
     denoising_inputs,
-    denoising_rollout,
     instruction_corpus,
     observation_field,
     observation_images,
@@ -109,8 +106,6 @@ def build_tiny_smolvla(directory: str | Path, corpus: Sequence[str], *, cameras:
                        dataset_stats: dict[str, dict[str, Any]] | None = None):
     """A tiny SmolVLA (about 0.25M parameters) on a tiny SmolVLM written to `directory / "vlm"`;
     returns (lerobot policy, pre-processor, post-processor)."""
-    from lerobot.configs.types import FeatureType, PolicyFeature
-    from lerobot.policies.factory import make_pre_post_processors
     from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig
     from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy as LeRobotSmolVLA
 
@@ -119,47 +114,35 @@ def build_tiny_smolvla(directory: str | Path, corpus: Sequence[str], *, cameras:
         vlm_model_name=str(vlm), load_vlm_weights=False, chunk_size=chunk_size,
         n_action_steps=n_action_steps or chunk_size, max_state_dim=state_dim, max_action_dim=action_dim,
         resize_imgs_with_padding=(vlm_image_size, vlm_image_size), num_steps=num_steps, device=device,
-        train_expert_only=train_expert_only,
-        input_features={**{f"observation.images.{c}": PolicyFeature(FeatureType.VISUAL, (3, image_size, image_size))
-                           for c in cameras},
-                        "observation.state": PolicyFeature(FeatureType.STATE, (state_dim,))},
-        output_features={"action": PolicyFeature(FeatureType.ACTION, (action_dim,))})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        policy = LeRobotSmolVLA(cfg)
-    pre, post = make_pre_post_processors(cfg, dataset_stats=dataset_stats)
-    return policy.to(device), pre, post
+        train_expert_only=train_expert_only, **robot_features(cameras, image_size, state_dim, action_dim))
+    return build_lerobot(LeRobotSmolVLA, cfg, seed, device, dataset_stats)
 
 
 def load_smolvla(path: str | Path, device: str = "cpu"):
     """A SmolVLA directory written by lerobot or by `SmolVLAPolicy.save`: (lerobot policy,
     pre-processor, post-processor) on `device`. A tiny model's SmolVLM folder (`vlm/`) comes along."""
-    from lerobot.configs.policies import PreTrainedConfig
-    from lerobot.policies.factory import make_pre_post_processors
     from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy as LeRobotSmolVLA
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: not a saved SmolVLA directory")
-    cfg = PreTrainedConfig.from_pretrained(path)
-    cfg.device = str(device)
-    overrides: dict[str, Any] = {"device_processor": {"device": str(device)}}
-    if (path / VLM_DIR).is_dir():  # a tiny model carries its VLM folder along
-        cfg.vlm_model_name = str(path / VLM_DIR)
-        overrides["tokenizer_processor"] = {"tokenizer_name": str(path / VLM_DIR)}
-    model = LeRobotSmolVLA.from_pretrained(path, config=cfg).to(device)
-    pre, post = make_pre_post_processors(cfg, pretrained_path=str(path), preprocessor_overrides=overrides)
-    return model, pre, post
+    vlm = Path(path) / VLM_DIR
+    if not vlm.is_dir():
+        return load_lerobot(path, device, LeRobotSmolVLA)
+
+    def use_local_vlm(cfg) -> None:  # a tiny model carries its VLM folder along
+        cfg.vlm_model_name = str(vlm)
+
+    return load_lerobot(path, device, LeRobotSmolVLA, adjust=use_local_vlm,
+                        preprocessor_overrides={"tokenizer_processor": {"tokenizer_name": str(vlm)}})
 
 
 # ----------------------------------------------------------------------------- the adapter
 
 
-class SmolVLAPolicy(FlowPolicyBase):
+class SmolVLAPolicy(LeRobotChunkPolicy):
     """`model` is the lerobot SmolVLAPolicy (the trainable module); `config` the `model.params`
     (`SmolVLAConfig`: `eta` is the SDE noise level), keywords given as `params` override its fields."""
 
     PARAMS = SMOLVLA_PARAMS
+    CONFIG_NAME = SMOLVLA_CONFIG_NAME
 
     def __init__(self, model: nn.Module, preprocessor, postprocessor, config: SmolVLAConfig | None = None, *,
                  env_factory: Callable[[list[dict]], Any] | None = None, **params):
@@ -219,17 +202,15 @@ class SmolVLAPolicy(FlowPolicyBase):
         model, pre, post = load_smolvla(path, device)
         return cls(model, pre, post, **{**read_saved_config(path, SMOLVLA_CONFIG_NAME), **kwargs})
 
+    def saved_settings(self) -> dict[str, Any]:
+        return {"eta": self.eta, "num_steps": self.num_steps, "n_action_steps": self.n_action_steps,
+                "cameras": self.cameras}
+
     def save(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        self.model.save_pretrained(directory)
-        self.preprocessor.save_pretrained(directory)
-        self.postprocessor.save_pretrained(directory)
-        vlm = Path(self.model.config.vlm_model_name)
+        super().save(directory)
+        vlm, directory = Path(self.model.config.vlm_model_name), Path(directory)
         if vlm.is_dir() and vlm.resolve() != (directory / VLM_DIR).resolve():
             shutil.copytree(vlm, directory / VLM_DIR, dirs_exist_ok=True)
-        saved = {"eta": self.eta, "num_steps": self.num_steps, "n_action_steps": self.n_action_steps,
-                 "cameras": self.cameras}
-        (directory / SMOLVLA_CONFIG_NAME).write_text(json.dumps(saved, indent=2))
 
     # ------------------------------------------------------------------ the prefix and the velocity
 
@@ -308,25 +289,6 @@ class SmolVLAPolicy(FlowPolicyBase):
             self.model.train(was_training)
         states_t, logp = states_t.clone(), logp.clone()
         return {"actions": self._actions(states_t[:, -1]), "states": states_t, "logp": logp}
-
-    # ------------------------------------------------------------------ episodes
-
-    @torch.no_grad()
-    def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
-               temperature: float | None = None) -> Rollout:
-        """Whole episodes, G per context; `temperature=0` runs the ODE (evaluation)."""
-        G, K = group_size, self.num_steps
-
-        def act(images: np.ndarray, states: np.ndarray, instructions: list[str]):
-            out = self._act_arrays(images, states, instructions, generator, temperature)
-            return out["actions"], out
-
-        ep = run_episodes(self.env_factory, [dict(c) for c in contexts for _ in range(G)], act, self.max_chunks,
-                          self.cameras)
-        return denoising_rollout(ep, K, self.chunk_shape, self.max_chunks, self.device)
-
-    def decode(self, rollout: Rollout) -> list[dict[str, Any]]:
-        return decode_episodes(rollout)
 
     # ------------------------------------------------------------------ teacher forcing
 

@@ -1,0 +1,120 @@
+"""What the adapters of lerobot's generative action heads share (SmolVLA's flow expert, the
+Diffusion Policy's U-Net): building a lerobot policy with its pre/post-processors offline, loading a
+saved one, and the adapter skeleton whose units are the denoising steps of every executed chunk.
+
+A subclass writes `_act_arrays(images, states, instructions, generator, temperature)` (one chunk
+per row: {"actions", "states" [B, K+1, *chunk_shape], "logp" [B, K]}), `_rollout_logprobs`,
+`sft_loss`, `chunk_shape` and `saved_settings`; episodes, decoding and saving are here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.envs.episodes import run_episodes
+from mmrl.policies.base import FlowPolicyBase
+from mmrl.policies.vla.processor import decode_episodes, denoising_rollout
+from mmrl.rollout import Rollout
+
+
+def robot_features(cameras: Sequence[str], image_size: int, state_dim: int, action_dim: int) -> dict[str, Any]:
+    """lerobot's `input_features` / `output_features` of a policy that sees `cameras` (square RGB
+    images), reads a state vector and acts in `action_dim` dims."""
+    from lerobot.configs.types import FeatureType, PolicyFeature
+
+    return {"input_features": {**{f"observation.images.{c}": PolicyFeature(FeatureType.VISUAL, (3, image_size, image_size))
+                                  for c in cameras},
+                               "observation.state": PolicyFeature(FeatureType.STATE, (state_dim,))},
+            "output_features": {"action": PolicyFeature(FeatureType.ACTION, (action_dim,))}}
+
+
+def build_lerobot(policy_cls, cfg, seed: int, device: str, dataset_stats: dict[str, dict[str, Any]] | None = None):
+    """`policy_cls(cfg)` initialised from `seed` (the global RNG untouched), with lerobot's
+    pre/post-processors: (policy on `device`, pre-processor, post-processor)."""
+    from lerobot.policies.factory import make_pre_post_processors
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        policy = policy_cls(cfg)
+    pre, post = make_pre_post_processors(cfg, dataset_stats=dataset_stats)
+    return policy.to(device), pre, post
+
+
+def load_lerobot(path: str | Path, device: str, policy_cls, *, adjust=None,
+                 preprocessor_overrides: dict[str, Any] | None = None):
+    """A lerobot policy directory (written by lerobot or by an adapter's `save`) of `policy_cls`:
+    (policy, pre-processor, post-processor) on `device`. `adjust(cfg)` edits the loaded config
+    before the weights load."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import make_pre_post_processors
+
+    path = Path(path)
+    kind = policy_cls.name
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a saved lerobot {kind} policy directory")
+    cfg = PreTrainedConfig.from_pretrained(path)
+    if getattr(cfg, "type", kind) != kind:
+        raise ValueError(f"{path} holds a {cfg.type!r} policy, not {kind!r}")
+    cfg.device = str(device)
+    if adjust is not None:
+        adjust(cfg)
+    model = policy_cls.from_pretrained(path, config=cfg).to(device)
+    overrides = {"device_processor": {"device": str(device)}, **(preprocessor_overrides or {})}
+    pre, post = make_pre_post_processors(cfg, pretrained_path=str(path), preprocessor_overrides=overrides)
+    return model, pre, post
+
+
+class LeRobotChunkPolicy(FlowPolicyBase):
+    """A lerobot policy (`model`, with `preprocessor` / `postprocessor`) whose action chunks are
+    sampled by a chain of Gaussian denoising steps: the units of a rollout are those steps
+    (`processor.denoising_rollout`)."""
+
+    CONFIG_NAME = ""  # the adapter's settings file beside the lerobot weights
+    cameras: list[str]
+    max_chunks: int
+    num_steps: int
+    env_factory = None
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def saved_settings(self) -> dict[str, Any]:
+        """The adapter's own settings that `save` writes beside the lerobot files."""
+        raise NotImplementedError
+
+    def _act_arrays(self, images: np.ndarray, states: np.ndarray, instructions: list[str],
+                    generator: torch.Generator | None, temperature: float | None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        self.model.save_pretrained(directory)
+        self.preprocessor.save_pretrained(directory)
+        self.postprocessor.save_pretrained(directory)
+        (directory / self.CONFIG_NAME).write_text(json.dumps(self.saved_settings(), indent=2))
+
+    @torch.no_grad()
+    def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
+               temperature: float | None = None) -> Rollout:
+        """Whole episodes, G per context; `temperature=0` samples deterministically (evaluation)."""
+
+        def act(images: np.ndarray, states: np.ndarray, instructions: list[str]):
+            out = self._act_arrays(images, states, instructions, generator, temperature)
+            return out["actions"], out
+
+        ep = run_episodes(self.env_factory, [dict(c) for c in contexts for _ in range(group_size)], act,
+                          self.max_chunks, self.cameras)
+        return denoising_rollout(ep, self.num_steps, self.chunk_shape, self.max_chunks, self.device)
+
+    def decode(self, rollout: Rollout) -> list[dict[str, Any]]:
+        return decode_episodes(rollout)
+
+
+__all__ = ["LeRobotChunkPolicy", "build_lerobot", "load_lerobot", "robot_features"]
