@@ -113,6 +113,10 @@ def test_sft_and_checkpoint(tiny, tmp_path):
         assert torch.where(ro.mask, back.logprobs(ro)[0] - ro.logp_old, 0.0).abs().max() < 1e-4
     with pytest.raises(FileNotFoundError, match="no config.json"):
         DiffusionActionPolicy.from_pretrained(tmp_path / "missing")
+    (tmp_path / "act").mkdir()
+    (tmp_path / "act" / "config.json").write_text('{"type": "act"}')
+    with pytest.raises(ValueError, match="holds a 'act' policy, not 'diffusion'"):
+        DiffusionActionPolicy.from_pretrained(tmp_path / "act")
 
 
 def test_bad_params_name_the_value(tiny):
