@@ -283,8 +283,9 @@ def write_vla_report(policy, suites: Sequence[tuple[str, Any]], out_dir: str | P
         md += [f"## {mode} success (%)", "", table([record], mode)]
     if "grounding_loss" in record:
         g = record["grounding_loss"]
-        md += ["## grounding", "", f"SFT loss per action token on demo frames: {g['sft_loss_own']:.4f} with their own "
-               f"images, {g['sft_loss_shuffled']:.4f} with shuffled ones (gap {g['sft_loss_gap']:+.4f}; "
+        md += ["## grounding", "", f"The policy's SFT loss on demo frames (per action token, or the denoising "
+               f"loss): {g['sft_loss_own']:.4f} with their own images, {g['sft_loss_shuffled']:.4f} with shuffled "
+               f"ones (gap {g['sft_loss_gap']:+.4f}; "
                "about 0 for a policy that ignores its images).", ""]
     md += ["## per task", "", per_task_markdown(record)]
     png = plot_success(run_dir, out_dir / "success.png") if run_dir is not None else None

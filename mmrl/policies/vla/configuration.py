@@ -155,6 +155,10 @@ class DiffusionPolicyConfig:
     image_size: int = 64
     down_dims: list[int] = field(default_factory=lambda: [32, 64])  # the 1-D U-Net's widths
     keypoints: int = 16  # spatial soft-argmax keypoints of the ResNet-18 image encoder
+    # images are resized to this square before the ResNet (lerobot's resize_shape): its 32x
+    # downsampling leaves an (encoder_size / 32)^2 map for the soft-argmax, 3 x 3 at 96 px as for
+    # lerobot's PushT crop (84 px). At 64 px the map is 2 x 2, too coarse to place anything.
+    encoder_size: int = 96
     noise_scheduler: str = "DDIM"  # lerobot's noise_scheduler_type: DDPM or DDIM
     num_train_timesteps: int = 100
     dataset_stats: dict[str, dict[str, Any]] | None = None
@@ -168,6 +172,7 @@ class DiffusionPolicyConfig:
             raise ValueError(f"unknown noise_scheduler {self.noise_scheduler!r}; valid: {', '.join(NOISE_SCHEDULERS)}")
         _at_least(self, 1, "num_steps", "n_action_steps", "max_chunks", "horizon", "state_dim", "action_dim",
                   "image_size", "keypoints", "num_train_timesteps")
+        _at_least(self, 64, "encoder_size")
         if not self.down_dims or self.horizon % 2 ** (len(self.down_dims) - 1):
             raise ValueError(f"horizon {self.horizon} must be a multiple of 2 ** (len(down_dims) - 1) "
                              f"(the U-Net halves it per stage); down_dims={self.down_dims}")

@@ -56,17 +56,20 @@ OBS_STATE, OBS_IMAGES = "observation.state", "observation.images"
 
 def build_tiny_diffusion(cameras: Sequence[str] = ("front",), *, state_dim: int = 8, action_dim: int = 7,
                          horizon: int = 8, n_action_steps: int | None = None, num_steps: int = 10,
-                         image_size: int = 64, down_dims: Sequence[int] = (32, 64), keypoints: int = 16,
+                         image_size: int = 64, encoder_size: int | None = 96, down_dims: Sequence[int] = (32, 64),
+                         keypoints: int = 16,
                          noise_scheduler: str = "DDIM", num_train_timesteps: int = 100, seed: int = 0,
                          device: str = "cpu", dataset_stats: dict[str, dict[str, Any]] | None = None):
-    """A small lerobot Diffusion Policy (ResNet-18 encoder with group norm, no pretrained weights,
-    so no download): (lerobot policy, pre-processor, post-processor)."""
+    """A small lerobot Diffusion Policy (ResNet-18 encoder with group norm on images resized to
+    `encoder_size`, no pretrained weights, so no download): (lerobot policy, pre-processor,
+    post-processor)."""
     from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
     from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
 
     cfg = DiffusionConfig(
         n_obs_steps=1, horizon=horizon, n_action_steps=n_action_steps or horizon, drop_n_last_frames=0,
         pretrained_backbone_weights=None, use_group_norm=True, crop_shape=None,
+        resize_shape=(encoder_size, encoder_size) if encoder_size else None,
         spatial_softmax_num_keypoints=keypoints, down_dims=tuple(down_dims), kernel_size=3,
         diffusion_step_embed_dim=32, noise_scheduler_type=noise_scheduler, num_train_timesteps=num_train_timesteps,
         num_inference_steps=num_steps, device=device, **robot_features(cameras, image_size, state_dim, action_dim))
@@ -138,7 +141,8 @@ class DiffusionActionPolicy(LeRobotChunkPolicy):
         cams = c.cameras or c.env.get("cameras") or ["front"]
         model, pre, post = build_tiny_diffusion(
             cams, state_dim=c.state_dim, action_dim=c.action_dim, horizon=c.horizon, n_action_steps=c.n_action_steps,
-            num_steps=c.num_steps or 10, image_size=c.image_size, down_dims=c.down_dims, keypoints=c.keypoints,
+            num_steps=c.num_steps or 10, image_size=c.image_size, encoder_size=c.encoder_size,
+            down_dims=c.down_dims, keypoints=c.keypoints,
             noise_scheduler=c.noise_scheduler, num_train_timesteps=c.num_train_timesteps, seed=cfg.train.seed,
             device=dev, dataset_stats=c.dataset_stats)
         return cls(model, pre, post, c, env_factory=env_factory, cameras=cams)
