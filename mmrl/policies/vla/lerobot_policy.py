@@ -9,6 +9,7 @@ per row: {"actions", "states" [B, K+1, *chunk_shape], "logp" [B, K]}), `_rollout
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,9 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.envs.episodes import run_episodes
+from torch import nn
+
+from mmrl.envs.episodes import as_numpy, run_episodes
 from mmrl.policies.base import FlowPolicyBase
-from mmrl.policies.vla.processor import decode_episodes, denoising_rollout
+from mmrl.policies.vla.processor import decode_episodes, denoising_rollout, observation_field, observation_images
 from mmrl.rollout import Rollout
 
 
@@ -92,6 +95,27 @@ class LeRobotChunkPolicy(FlowPolicyBase):
     def _act_arrays(self, images: np.ndarray, states: np.ndarray, instructions: list[str],
                     generator: torch.Generator | None, temperature: float | None) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    @staticmethod
+    @contextlib.contextmanager
+    def eval_mode(model: nn.Module):
+        """`model` in eval mode (no dropout, centre crops) for the block, its mode restored after;
+        gradients still flow."""
+        was_training = model.training
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(was_training)
+
+    @torch.no_grad()
+    def act(self, observations: dict | Any, instructions: Sequence[str] | None = None,
+            generator: torch.Generator | None = None, temperature: float | None = None) -> dict[str, torch.Tensor]:
+        """One chunk per row: {"actions" [B, n_action_steps, A], "states" [B, K+1, *chunk_shape],
+        "logp" [B, K]}. `observations` has "images" {camera: uint8 [B, H, W, 3]} and "state" [B, D]."""
+        images = observation_images(observations, self.cameras)
+        states = as_numpy(observation_field(observations, "state"))
+        return self._act_arrays(images, states, list(instructions or []), generator, temperature)
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)

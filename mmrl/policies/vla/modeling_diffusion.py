@@ -23,7 +23,6 @@ task must show its goal in the image).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.envs.episodes import VectorEnvFactory, as_numpy, task_env_factory
+from mmrl.envs.episodes import VectorEnvFactory, task_env_factory
 from mmrl.flow import diffusion_chain, diffusion_step, gaussian_logprob
 from mmrl.policies.vla.configuration import (
     DIFFUSION_CONFIG_NAME,
@@ -45,8 +44,6 @@ from mmrl.policies.vla.lerobot_policy import LeRobotChunkPolicy, build_lerobot, 
 from mmrl.policies.vla.processor import (
     acted_chunks,
     denoising_inputs,
-    observation_field,
-    observation_images,
     parse_sft_context,
 )
 from mmrl.rollout import Rollout
@@ -208,33 +205,13 @@ class DiffusionActionPolicy(LeRobotChunkPolicy):
         """Normalised chunk [B, horizon, A] -> env actions [B, n_action_steps, A] (unnormalised)."""
         return self.postprocessor(x0[:, :self.n_action_steps]).float()
 
-    @torch.no_grad()
-    def act(self, observations: dict | Any, instructions: Sequence[str] | None = None,
-            generator: torch.Generator | None = None, temperature: float | None = None) -> dict[str, torch.Tensor]:
-        """One chunk per row: {"actions" [B, n_action_steps, A], "states" [B, K+1, horizon, A],
-        "logp" [B, K]}. `observations` has "images" {camera: uint8 [B, H, W, 3]} and "state" [B, D]."""
-        arr = observation_images(observations, self.cameras)
-        return self._act_arrays(arr, as_numpy(observation_field(observations, "state")), [], generator, temperature)
-
     def _act_arrays(self, images, states, instructions, generator, temperature) -> dict[str, torch.Tensor]:
         """The instructions are ignored: lerobot's Diffusion Policy reads no language."""
-        with self._eval_mode(self.model), torch.inference_mode():
+        with self.eval_mode(self.model), torch.inference_mode():
             states_t, logp = self._sample_chunks(self._batch(images, states), generator,
                                                  stochastic=temperature != 0.0)
         states_t, logp = states_t.clone(), logp.clone()  # out of inference mode
         return {"actions": self._actions(states_t[:, -1]), "states": states_t, "logp": logp}
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _eval_mode(model: nn.Module):
-        """Eval mode (centre crop, no dropout) for sampling and for re-scoring alike, so the
-        teacher-forced log-probs see the inputs the sampler saw; gradients still flow."""
-        was_training = model.training
-        model.eval()
-        try:
-            yield
-        finally:
-            model.train(was_training)
 
     # ------------------------------------------------------------------ teacher forcing
 
@@ -248,7 +225,7 @@ class DiffusionActionPolicy(LeRobotChunkPolicy):
         if len(rows):
             images, states, _, chains = denoising_inputs(rollout, rows, steps, K, self.device)
             M = chains.shape[0]
-            with self._eval_mode(model):
+            with self.eval_mode(model):  # the inputs the sampler saw (a random crop would break parity)
                 eps_fn = self._noise_fn(model, self._batch(images, states), repeat=K)
                 x = chains[:, :-1].reshape(M * K, *self.chunk_shape)  # sample-major: row m*K + k
                 k = torch.arange(K, device=self.device).repeat(M)

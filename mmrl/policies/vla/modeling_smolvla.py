@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.envs.episodes import VectorEnvFactory, as_numpy, task_env_factory
+from mmrl.envs.episodes import VectorEnvFactory, task_env_factory
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
 from mmrl.policies.vla.configuration import (
     SMOLVLA_CONFIG_NAME,
@@ -49,8 +49,6 @@ from mmrl.policies.vla.processor import (
     acted_chunks,
     denoising_inputs,
     instruction_corpus,
-    observation_field,
-    observation_images,
     parse_sft_context,
 )
 from mmrl.rollout import Rollout
@@ -269,24 +267,11 @@ class SmolVLAPolicy(LeRobotChunkPolicy):
         """Model-space chunk [B, chunk, A_max] -> env actions [B, n_action_steps, A] (unnormalised)."""
         return self.postprocessor(x0[:, :self.n_action_steps, :self.action_dim]).float()
 
-    @torch.no_grad()
-    def act(self, observations: dict | Any, instructions: Sequence[str], generator: torch.Generator | None = None,
-            temperature: float | None = None) -> dict[str, torch.Tensor]:
-        """One chunk per row: {"actions" [B, n_action_steps, A], "states" [B, K+1, chunk, A_max],
-        "logp" [B, K]}. `observations` has "images" {camera: uint8 [B, H, W, 3]} and "state" [B, D]."""
-        arr = observation_images(observations, self.cameras)
-        state = as_numpy(observation_field(observations, "state"))
-        return self._act_arrays(arr, state, list(instructions), generator, temperature)
-
     def _act_arrays(self, images, states, instructions, generator, temperature) -> dict[str, torch.Tensor]:
-        was_training = self.model.training
-        self.model.eval()
-        try:  # inference mode costs less per op than no_grad; the outputs are cloned out of it
-            with torch.inference_mode(), self._full_precision():
-                states_t, logp = self._sample_chunks(self._batch(images, states, instructions), generator,
-                                                     stochastic=temperature != 0.0)
-        finally:
-            self.model.train(was_training)
+        # inference mode costs less per op than no_grad; the outputs are cloned out of it
+        with self.eval_mode(self.model), torch.inference_mode(), self._full_precision():
+            states_t, logp = self._sample_chunks(self._batch(images, states, instructions), generator,
+                                                 stochastic=temperature != 0.0)
         states_t, logp = states_t.clone(), logp.clone()
         return {"actions": self._actions(states_t[:, -1]), "states": states_t, "logp": logp}
 
