@@ -24,6 +24,9 @@ class VectorEnvFactory:
     `cache_size` of them (worker processes and MuJoCo models are slow to start), keyed by the env
     each row needs. `kind` "tabletop" (context "task") or "libero" (context "suite", "task_id");
     `num_workers` 0 steps the envs in this process (SyncVectorEnv), > 0 in worker processes.
+    `max_envs` bounds the envs of one batch: a policy runs a larger batch slice by slice
+    (`episode_slices`), since each env holds its own MuJoCo model and renderer (about 33 MB for a
+    64 px tabletop env), so memory would otherwise grow with the evaluation set.
 
     `upcoming(rows)`, if given, names the rows of the rollout that will follow one of `rows` (or
     None): `rollout_done` then starts those envs' reset at once, so the worker processes reset while
@@ -31,10 +34,14 @@ class VectorEnvFactory:
 
     def __init__(self, kind: str = "tabletop", num_workers: int = 0, image_size: int = 64,
                  cameras: Sequence[str] | None = None, cache_size: int = 2,
-                 upcoming: Callable[[list[dict]], list[dict] | None] | None = None, **env_kwargs):
+                 upcoming: Callable[[list[dict]], list[dict] | None] | None = None, max_envs: int = 64,
+                 **env_kwargs):
         if kind not in ("tabletop", "libero"):
             raise ValueError(f"unknown env kind {kind!r}; valid: tabletop, libero")
+        if not isinstance(max_envs, int) or max_envs < 1:
+            raise ValueError(f"max_envs must be an integer >= 1, got {max_envs!r}")
         self.kind, self.num_workers, self.cache_size, self.upcoming = kind, num_workers, cache_size, upcoming
+        self.max_envs = max_envs
         self.env_kwargs = {"image_size": image_size, **({"cameras": tuple(cameras)} if cameras else {}), **env_kwargs}
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self.shuffle_images = False  # set inside `images_shuffled()`
@@ -177,6 +184,14 @@ class Episodes:
                 "obs_state": [torch.from_numpy(x) for x in self.states],
                 "success": torch.as_tensor(self.success, device=device),
                 "env_steps": torch.as_tensor(self.env_steps, device=device)}
+
+
+def episode_slices(contexts: list[dict], group_size: int, env_factory: Any) -> list[list[dict]]:
+    """`contexts` in consecutive slices whose `group_size` episodes each fit the factory's
+    `max_envs` (whole groups, at least one context a slice): one slice when the batch fits."""
+    max_envs = getattr(env_factory, "max_envs", None)
+    per = max(1, max_envs // group_size) if max_envs else max(1, len(contexts))
+    return [contexts[i:i + per] for i in range(0, len(contexts), per)]
 
 
 def run_episodes(env_factory: Callable[[list[dict]], Any] | None, rows: list[dict],

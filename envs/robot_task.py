@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from mmrl.envs import TaskBase
+from mmrl.policies.base import eval_mode
 
 EVAL_MODES = ("greedy", "sampled", "both")
 
@@ -76,7 +77,8 @@ class RobotTask(TaskBase):
     cursor: int
     eval_mode: str
     eval_samples: int
-    eval_envs: int = 64  # episodes run at once in `evaluate` (bounds env count and frame memory)
+    # episodes run at once (the env factory's max_envs; evaluate's batches): bounds env and frame memory
+    eval_envs: int = 64
     group_key: str = "task"
     num_workers: int
     prefetch_resets: bool = True
@@ -201,16 +203,12 @@ def grounding_loss(policy, frames: list[dict], n: int = 128, seed: int = 0) -> d
     shown = np.empty(len(picked), np.int64)
     shown[order] = np.roll(order, 1)  # a cycle through a random order: no frame keeps its own images
     shuffled = [{**f, "images": picked[int(j)]["images"]} for f, j in zip(picked, shown)]
-    was_training = policy.model.training
-    policy.model.eval()
-    try:
-        losses = []
+    losses = []
+    with eval_mode(policy.model):
         for batch in (picked, shuffled):
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 losses.append(float(policy.sft_loss(batch)))
-    finally:
-        policy.model.train(was_training)
     own, other = losses
     return {"sft_loss_own": own, "sft_loss_shuffled": other, "sft_loss_gap": other - own}
 

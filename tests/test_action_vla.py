@@ -165,6 +165,40 @@ def test_trajectory_rollout_and_parity(parts):
     assert rewards.shape == (4,)
 
 
+class CappedDotEnvs:
+    """`dot_envs` with a `max_envs` bound, recording the size of every env set it builds."""
+
+    def __init__(self, max_envs):
+        self.max_envs, self.sizes = max_envs, []
+
+    def __call__(self, rows):
+        self.sizes.append(len(rows))
+        return dot_envs(rows)
+
+
+def test_a_batch_larger_than_max_envs_runs_in_slices(parts):
+    """Env memory is bounded by the factory's max_envs, whatever the batch: the episodes run slice by
+    slice (whole groups), and the joined rollout is the one-shot one (greedy is deterministic) and
+    re-scores to its sampled log-probs."""
+    contexts = [{"task": "dot", "init_state_id": 3}, {"task": "dot", "init_state_id": 8, "max_steps": 3},
+                {"task": "dot", "init_state_id": 5}]
+    whole = make_policy(parts).sample(contexts, 2, temperature=0.0)
+    capped = CappedDotEnvs(max_envs=5)
+    policy = make_policy(parts, env_factory=capped)
+    ro = policy.sample(contexts, 2, temperature=0.0)
+    assert capped.sizes == [4, 2]  # 2 contexts x G=2, then the last context
+    assert len(ro) == 6 and [c["init_state_id"] for c in ro.contexts] == [3, 3, 8, 8, 5, 5]
+    T = whole.units.shape[1]
+    assert ro.units.shape[1] == T and torch.equal(ro.mask, whole.mask)
+    assert torch.equal(torch.where(ro.mask, ro.units, 0), torch.where(whole.mask, whole.units, 0))
+    assert torch.equal(ro.extras["success"], whole.extras["success"])
+    sampled = policy.sample(contexts, 2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = policy.logprobs(sampled)[0]
+    assert torch.where(sampled.mask, logp - sampled.logp_old, 0.0).abs().max().item() < 1e-5
+    assert [o["length"] for o in policy.decode(sampled)] == sampled.extras["env_steps"].tolist()
+
+
 def test_sft_learns_and_checkpoint_round_trip(parts, tmp_path):
     policy = make_policy(parts)
     policy.model = build_tiny_qwen_vl(policy.tokenizer, "qwen2_5_vl", seed=1)
@@ -212,15 +246,43 @@ class DotTask(TaskBase):  # TaskBase: the hooks a task does not override (corpus
         self.cursor = s["cursor"]
 
 
-@pytest.mark.parametrize("srpo", [False, True])
-def test_trainer_runs_trajectory_grpo(parts, tmp_path, srpo):
+def test_mask_images_blacks_whole_squares_of_the_frames(parts):
+    """PAPO's masked context for episodes: squares of the processor's patch side blacked per frame
+    with the given probability; units untouched; the masked frames change the log-probs."""
+    policy = make_policy(parts)
+    ro = policy.sample([{"task": "dot", "init_state_id": 3}, {"task": "dot", "init_state_id": 4}], 2,
+                       generator=torch.Generator().manual_seed(0))
+    side = policy.processor.image_processor.patch_size
+    masked = policy.mask_images(ro, 0.5, torch.Generator().manual_seed(1))
+    assert masked.units is ro.units and masked.extras["success"] is ro.extras["success"]
+    dropped = []
+    for f, m in zip(ro.extras["obs_images"], masked.extras["obs_images"]):
+        assert m.shape == f.shape and m.dtype == torch.uint8
+        for y in range(0, f.shape[-3], side):
+            for x in range(0, f.shape[-2], side):
+                a, b = f[..., y:y + side, x:x + side, :], m[..., y:y + side, x:x + side, :]
+                gone = (b == 0).flatten(1).all(1)  # per frame: is this square black?
+                assert torch.equal(b[~gone], a[~gone])  # a square is either kept whole or blacked
+                dropped += gone[(a.flatten(1) != 0).any(1)].tolist()
+    assert 0.3 < np.mean(dropped) < 0.7  # squares that held something were blacked about half the time
+    assert all(torch.equal(m, f) for f, m in zip(ro.extras["obs_images"], policy.mask_images(ro, 0.0).extras["obs_images"]))
+    assert all(int(m.max()) == 0 for m in policy.mask_images(ro, 1.0).extras["obs_images"])
+    with torch.no_grad():
+        own, other = policy.logprobs(ro)[0], policy.logprobs(masked)[0]
+    assert not torch.allclose(own[ro.mask], other[ro.mask])
+    with pytest.raises(ValueError, match="mask probability"):
+        policy.mask_images(ro, 1.5)
+
+
+@pytest.mark.parametrize("srpo,papo", [(False, False), (True, False), (False, True)])
+def test_trainer_runs_trajectory_grpo(parts, tmp_path, srpo, papo):
     rewards = [{"name": "success", "weight": 0.0 if srpo else 1.0}]
     if srpo:
         rewards.append({"name": "srpo_progress", "weight": 1.0, "params": {"encoder_params": {"size": 4}}})
     cfg = config_from_dict({
         "model": {"policy": "action_vla"}, "rewards": rewards,
         "sampling": {"group_size": 3, "temperature": 1.6},
-        "algo": {"loss": "grpo", "loss_params": {"eps_low": 0.2, "eps_high": 0.28}},
+        "algo": {"loss": "grpo", "loss_params": {"eps_low": 0.2, "eps_high": 0.28}, "papo_gamma": 0.02 if papo else 0.0},
         "train": {"steps": 1, "prompts_per_step": 2, "eval_every": 0, "eval_size": 2, "device": "cpu",
                   "output_dir": str(tmp_path), "progress": False, "lr": 1e-3},
     })
@@ -235,6 +297,8 @@ def test_trainer_runs_trajectory_grpo(parts, tmp_path, srpo):
     assert 0 < metrics["reward/success"] < 1 and metrics["adv/std"] > 0  # a mixed batch: a learning signal
     if srpo:  # failures earn a graded reward in (0, 0.8), successes 1
         assert metrics["reward/success"] < metrics["reward/srpo_progress"] < 1
+    # PAPO: the episodes are scored again on masked frames, and the two distributions differ
+    assert (metrics.get("train/perception_kl", 0.0) > 0) == papo
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.model.parameters()))
 
 

@@ -83,7 +83,7 @@ class LiberoTask(RobotTask):
                      if v is not None}
             self._env_factory = VectorEnvFactory("libero", num_workers=self.num_workers, image_size=self.image_size,
                                                  cameras=self.cameras, cache_size=4, upcoming=self._upcoming(),
-                                                 **extra)
+                                                 max_envs=self.eval_envs, **extra)
         return self._env_factory
 
     def evaluate(self, policy, n: int) -> dict[str, float]:

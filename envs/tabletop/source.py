@@ -171,7 +171,7 @@ class TabletopTask(RobotTask):
             # Training, greedy eval and sampled eval batches differ in size: keep one env set for each.
             self._env_factory = VectorEnvFactory("tabletop", num_workers=self.num_workers, image_size=self.image_size,
                                                  cameras=self.cameras, cache_size=4, upcoming=self._upcoming(),
-                                                 **extra)
+                                                 max_envs=self.eval_envs, **extra)
         return self._env_factory
 
     # ------------------------------------------------------------------ demos

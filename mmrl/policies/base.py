@@ -6,8 +6,9 @@ joined by config. The trainer calls only what is written here.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -15,6 +16,19 @@ from torch import nn
 
 from mmrl.config import check_names
 from mmrl.rollout import Rollout
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """`model` in eval mode (no dropout, no augmentation) for the block, its mode restored after,
+    also on error; gradients still flow. Sampling and re-scoring use it so that the log-probs of
+    the rollout and of the update see the same network."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 class Policy(Protocol):
@@ -99,8 +113,6 @@ class PolicyBase:
 
     def reference_module(self):
         """A context manager yielding the module to run for reference log-probs."""
-        import contextlib
-
         if self.reference is not None:
             return contextlib.nullcontext(self.reference)
         if not hasattr(self.model, "disable_adapter"):
@@ -177,12 +189,8 @@ class TextPolicyBase(PolicyBase):
             return Rollout(units=out.tokens, logp_old=out.logp, logp_beh=out.logp, mask=out.mask,
                            truncated=out.truncated, max_units=self.max_new_tokens,
                            contexts=repeat_rows(contexts, group_size), extras=rows)
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             out = self._generate(enc, rows, group_size, kwargs)
-        finally:
-            self.model.train(was_training)
         return Rollout(units=out.tokens, logp_old=out.logp, mask=out.mask, truncated=out.truncated,
                        max_units=self.max_new_tokens, contexts=repeat_rows(contexts, group_size), extras=rows)
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
-from mmrl.policies.base import FlowPolicyBase
+from mmrl.policies.base import FlowPolicyBase, eval_mode
 from mmrl.policies.video.causal_wan import CausalWan, KVCache, build_tiny_wan
 from mmrl.policies.video.configuration import VIDEO_CONFIG_NAME, VideoGenConfig
 from mmrl.policies.vla.configuration import param_names, read_saved_config, resolve_config
@@ -334,13 +334,9 @@ class VideoGenPolicy(FlowPolicyBase):
         eta = 0.0 if temperature == 0 else self.config.eta
         K, C, N = self.config.num_steps, self.num_chunks, len(rows)
         steps = self.trained_steps(generator) if eta > 0 and self.config.sde_only_trained else None
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             states, logp, _ = self.denoise(self.model, text, self.initial_noise(N, generator), eta, generator,
                                            sde_steps=steps)
-        finally:
-            self.model.train(was_training)
         if steps is None:
             steps = self.trained_steps(generator) if eta > 0 else torch.ones(K, dtype=torch.bool)
         mask = steps.repeat_interleave(C)[None].expand(N, K * C).to(self.device)
@@ -359,12 +355,8 @@ class VideoGenPolicy(FlowPolicyBase):
             raise ValueError("exploration: kv_routing re-routes a local attention window; build the generator with "
                              "one (model.params.tiny.local_window, sink_chunks) or load one that has it")
         noise = self.initial_noise(len(contexts), generator).repeat_interleave(group_size, 0)
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             states, _, routed = self.denoise(self.model, text, noise, 0.0, generator, route_groups=group_size)
-        finally:
-            self.model.train(was_training)
         N = len(rows)
         is_anchor = torch.arange(N, device=self.device) % group_size == 0
         rollout = Rollout(units=torch.zeros(N, 1, dtype=torch.long, device=self.device),

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmrl.policies.base import eval_mode
 from mmrl.policies.fast_decode import FastDecoder, completion_logprobs
 from mmrl.rollout import Rollout, sample_tokens
 
@@ -215,18 +216,16 @@ class VisualPlannerPolicy:
         kwargs = {"eos_token_ids": [self.vocab.eos], "pad_token_id": 0, "temperature": temperature,
                   "top_k": self.top_k, "top_p": self.top_p, "suppress_token_ids": self.suppress_token_ids,
                   "generator": generator}
-        was_training = self.model.training
-        self.model.eval()
-        for n in sorted(set(n_codes)):
-            idx = torch.tensor([i for i, k in enumerate(n_codes) if k == n], device=self.device)
-            L = int(prompt_mask[idx].sum(1).max())
-            ids, pm = prompt_ids[idx, -L:], prompt_mask[idx, -L:]
-            if self._fast is not None:
-                out = self._fast.sample(ids, pm, max_new_tokens=n, **kwargs)
-            else:
-                out = sample_tokens(self.lm, ids, pm, max_new_tokens=n, **kwargs)
-            units[idx, :n], logp[idx, :n], mask[idx, :n] = out.tokens, out.logp, out.mask
-        self.model.train(was_training)
+        with eval_mode(self.model):
+            for n in sorted(set(n_codes)):
+                idx = torch.tensor([i for i, k in enumerate(n_codes) if k == n], device=self.device)
+                L = int(prompt_mask[idx].sum(1).max())
+                ids, pm = prompt_ids[idx, -L:], prompt_mask[idx, -L:]
+                if self._fast is not None:
+                    out = self._fast.sample(ids, pm, max_new_tokens=n, **kwargs)
+                else:
+                    out = sample_tokens(self.lm, ids, pm, max_new_tokens=n, **kwargs)
+                units[idx, :n], logp[idx, :n], mask[idx, :n] = out.tokens, out.logp, out.mask
         return units, logp, mask
 
     def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,

@@ -9,7 +9,6 @@ per row: {"actions", "states" [B, K+1, *chunk_shape], "logp" [B, K]}), `_rollout
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,10 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch import nn
-
-from mmrl.envs.episodes import as_numpy, run_episodes
-from mmrl.policies.base import FlowPolicyBase
+from mmrl.envs.episodes import as_numpy, episode_slices, run_episodes
+from mmrl.policies.base import FlowPolicyBase, eval_mode
 from mmrl.policies.vla.processor import decode_episodes, denoising_rollout, observation_field, observation_images
 from mmrl.rollout import Rollout
 
@@ -96,18 +93,6 @@ class LeRobotChunkPolicy(FlowPolicyBase):
                     generator: torch.Generator | None, temperature: float | None) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    @staticmethod
-    @contextlib.contextmanager
-    def eval_mode(model: nn.Module):
-        """`model` in eval mode (no dropout, centre crops) for the block, its mode restored after;
-        gradients still flow."""
-        was_training = model.training
-        model.eval()
-        try:
-            yield
-        finally:
-            model.train(was_training)
-
     @torch.no_grad()
     def act(self, observations: dict | Any, instructions: Sequence[str] | None = None,
             generator: torch.Generator | None = None, temperature: float | None = None) -> dict[str, torch.Tensor]:
@@ -127,8 +112,13 @@ class LeRobotChunkPolicy(FlowPolicyBase):
     @torch.no_grad()
     def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
                temperature: float | None = None) -> Rollout:
-        """Whole episodes, G per context; `temperature=0` samples deterministically (evaluation)."""
+        """Whole episodes, G per context, at most the env factory's `max_envs` at a time;
+        `temperature=0` samples deterministically (evaluation)."""
+        return Rollout.concat([self._sample_episodes(part, group_size, generator, temperature)
+                               for part in episode_slices(contexts, group_size, self.env_factory)])
 
+    def _sample_episodes(self, contexts: list[dict], group_size: int, generator: torch.Generator | None,
+                         temperature: float | None) -> Rollout:
         def act(images: np.ndarray, states: np.ndarray, instructions: list[str]):
             out = self._act_arrays(images, states, instructions, generator, temperature)
             return out["actions"], out

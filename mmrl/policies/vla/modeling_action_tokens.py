@@ -49,8 +49,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.envs.episodes import VectorEnvFactory, run_episodes, task_env_factory
-from mmrl.policies.base import apply_lora, checkpoint_dir
+from mmrl.envs.episodes import VectorEnvFactory, episode_slices, run_episodes, task_env_factory
+from mmrl.policies.base import apply_lora, checkpoint_dir, eval_mode
 from mmrl.policies.qwen_vl import (
     QwenVLPolicy,
     VLStepper,
@@ -98,7 +98,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
     """`config` holds the `model.params` (`ActionTokenVLAConfig`); keywords given as `params`
     override its fields (or build it alone)."""
 
-    can_mask_images = False  # its rollouts keep camera frames per chunk, not the processor's patches
+    can_mask_images = True  # on the camera frames its rollouts keep per chunk (`mask_images`)
 
     PARAMS = ACTION_VLA_PARAMS
 
@@ -277,14 +277,9 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         enc = self.encode(self._vl_contexts(list(images), instructions))
         stepper = VLStepper(self.model, enc["mm_token_type_ids"], vision_inputs(enc["pixel_values"],
                                                                                 enc["image_grid_thw"]), 1)
-        was_training = self.model.training
-        self.model.eval()
         # Inference mode costs less per op than no_grad; the outputs are cloned out of it below.
-        try:
-            with torch.inference_mode():
-                tokens_t, logp_t = self._decode_chunk(stepper, enc, temperature, generator)
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), torch.inference_mode():
+            tokens_t, logp_t = self._decode_chunk(stepper, enc, temperature, generator)
         tokens_t, logp_t = tokens_t.clone(), logp_t.clone()
         return ActOutput(actions=self.tokens_to_actions(tokens_t), tokens=tokens_t, logp=logp_t)
 
@@ -370,6 +365,12 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
     @torch.no_grad()
     def sample(self, contexts: list[dict], group_size: int, generator: torch.Generator | None = None,
                temperature: float | None = None) -> Rollout:
+        """Whole episodes, G per context, at most the env factory's `max_envs` at a time."""
+        return Rollout.concat([self._sample_episodes(part, group_size, generator, temperature)
+                               for part in episode_slices(contexts, group_size, self.env_factory)])
+
+    def _sample_episodes(self, contexts: list[dict], group_size: int, generator: torch.Generator | None,
+                         temperature: float | None) -> Rollout:
         G = group_size
         K, A, L = self.chunk_size, self.action_dim, self.tokens_per_chunk
 
@@ -396,6 +397,21 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
 
     def decode(self, rollout: Rollout) -> list[dict[str, Any]]:
         return decode_episodes(rollout)
+
+    def mask_images(self, rollout: Rollout, prob: float, generator: torch.Generator | None = None) -> Rollout:
+        """The rollout with every camera frame's patch-size squares (the processor's patch side, in
+        the frame's pixels) blacked with probability `prob`, independently per frame: PAPO's masked
+        context for an episode. Whichever vision tower runs then sees the masked frames; the units
+        (the sampled action tokens) are unchanged."""
+        from dataclasses import replace
+
+        from mmrl.algos.perception import mask_squares
+
+        if "obs_images" not in rollout.extras:
+            raise ValueError(f"{type(self).__name__}: this rollout carries no camera frames (obs_images) to mask")
+        side = int(self.processor.image_processor.patch_size)
+        frames = [mask_squares(f, side, prob, generator) for f in rollout.extras["obs_images"]]
+        return replace(rollout, extras={**rollout.extras, "obs_images": frames})
 
     # ------------------------------------------------------------------ SFT
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from mmrl.envs.episodes import VectorEnvFactory, task_env_factory
 from mmrl.flow import diffusion_chain, diffusion_step, gaussian_logprob
+from mmrl.policies.base import eval_mode
 from mmrl.policies.vla.configuration import (
     DIFFUSION_CONFIG_NAME,
     DIFFUSION_PARAMS,
@@ -207,7 +208,7 @@ class DiffusionActionPolicy(LeRobotChunkPolicy):
 
     def _act_arrays(self, images, states, instructions, generator, temperature) -> dict[str, torch.Tensor]:
         """The instructions are ignored: lerobot's Diffusion Policy reads no language."""
-        with self.eval_mode(self.model), torch.inference_mode():
+        with eval_mode(self.model), torch.inference_mode():
             states_t, logp = self._sample_chunks(self._batch(images, states), generator,
                                                  stochastic=temperature != 0.0)
         states_t, logp = states_t.clone(), logp.clone()  # out of inference mode
@@ -225,7 +226,7 @@ class DiffusionActionPolicy(LeRobotChunkPolicy):
         if len(rows):
             images, states, _, chains = denoising_inputs(rollout, rows, steps, K, self.device)
             M = chains.shape[0]
-            with self.eval_mode(model):  # the inputs the sampler saw (a random crop would break parity)
+            with eval_mode(model):  # the inputs the sampler saw (a random crop would break parity)
                 eps_fn = self._noise_fn(model, self._batch(images, states), repeat=K)
                 x = chains[:, :-1].reshape(M * K, *self.chunk_shape)  # sample-major: row m*K + k
                 k = torch.arange(K, device=self.device).repeat(M)

@@ -37,6 +37,7 @@ from torch import nn
 
 from mmrl.envs.episodes import VectorEnvFactory, task_env_factory
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
+from mmrl.policies.base import eval_mode
 from mmrl.policies.vla.configuration import (
     SMOLVLA_CONFIG_NAME,
     SMOLVLA_PARAMS,
@@ -269,7 +270,7 @@ class SmolVLAPolicy(LeRobotChunkPolicy):
 
     def _act_arrays(self, images, states, instructions, generator, temperature) -> dict[str, torch.Tensor]:
         # inference mode costs less per op than no_grad; the outputs are cloned out of it
-        with self.eval_mode(self.model), torch.inference_mode(), self._full_precision():
+        with eval_mode(self.model), torch.inference_mode(), self._full_precision():
             states_t, logp = self._sample_chunks(self._batch(images, states, instructions), generator,
                                                  stochastic=temperature != 0.0)
         states_t, logp = states_t.clone(), logp.clone()
