@@ -46,9 +46,12 @@ def test_two_ranks_give_the_weights_of_one_rank_on_the_whole_batch(equivalence):
     assert len(equivalence) == 11
     for v in equivalence:
         assert v["moved"] > 1e-3, v  # training changed the weights, so equality means something
-        # replicate mode sums the same float32 numbers in another order; FSDP's reduce-scatter
-        # averages in float32 and Adam magnifies tiny gradients: 1e-5 is ~0.1% of the step
-        assert v["max_diff"] < (1e-5 if v["fsdp"] else 1e-6), v
+        # Both modes sum the same float32 numbers in another order than one process, and Adam
+        # magnifies the rounding in near-zero gradient components. How much depends on the CPU's
+        # kernels: 2.7e-6-1.3e-5 (0.04-0.2% of the step) on one 2-core machine, under 1e-6 in
+        # replicate mode on another. A bug (a rank's rows dropped or counted twice) moves weights
+        # by a sizeable part of the step.
+        assert v["max_diff"] < 0.01 * v["moved"], v
 
 
 def test_ranks_draw_disjoint_slices_of_one_data_stream(equivalence):
