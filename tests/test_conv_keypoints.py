@@ -272,3 +272,45 @@ def test_aux_action_loss_adds_the_heads_regression_in_train_mode_only(tokenizer,
     assert any("aux_head" in k for k in a) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="aux_action_loss must be >= 0 and needs vision: conv_keypoints"):
         ActionTokenVLAConfig(aux_action_loss=1.0)
+
+
+def film_policy(tokenizer, **kw):
+    model = build_tiny_qwen_vl(tokenizer, "qwen2_5_vl", seed=0).eval()
+    install_conv_keypoints(model, 4, seed=0, aux_dim=2 * 3, film=True)
+    return conv_policy(tokenizer, model, film=True, aux_action_loss=0.5, **kw)
+
+
+def test_film_conditions_the_tower_on_the_instruction(tokenizer, tmp_path):
+    policy = film_policy(tokenizer, shift_pad=0)
+    enc = conv_encoder(policy.model)
+    assert enc.film is not None and enc.film.weight.abs().sum() == 0  # starts unconditioned
+    with torch.no_grad():
+        enc.film.weight.normal_(0, 0.5)
+    # Two instructions over the same image give other keypoints, so the tower reads the instruction.
+    obs = _obs(1)
+    e = policy.encode(policy._vl_contexts([[obs["images"]["front"][0]]] * 2, [INSTRUCTION, "move the dot to 0"]))
+    vision = {"pixel_values": torch.cat(e["pixel_values"]), "grid_thw": torch.cat(e["image_grid_thw"])}
+    with torch.no_grad(), policy._instruction_film(e):
+        points = enc(vision["pixel_values"], vision["grid_thw"]).keypoints
+    assert (points[0] - points[1]).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="one conditioning row per image"):  # called without its instruction
+        enc(vision["pixel_values"], vision["grid_thw"])
+    # Sampled log-probs equal teacher-forced ones (rollouts, in train mode), and gradients reach FiLM
+    # and, through the conditioning, the token embeddings.
+    contexts = [{"task": "dot", "init_state_id": 3}, {"task": "dot", "init_state_id": 8, "max_steps": 3}]
+    ro = policy.sample(contexts, 2, generator=torch.Generator().manual_seed(0))
+    policy.model.train()
+    logp = policy.logprobs(ro)[0]
+    assert torch.where(ro.mask, logp - ro.logp_old, 0.0).abs().max().item() < 1e-5
+    policy.sft_loss(_sft_contexts()).backward()
+    assert enc.film.weight.grad.abs().sum() > 0
+    # The setting round-trips through a checkpoint.
+    policy.save(tmp_path)
+    back = ActionTokenVLAPolicy.from_pretrained(tmp_path, temperature=1.6)
+    assert back.config.film and conv_encoder(back.model).film is not None
+    a, b = policy.model.state_dict(), back.model.state_dict()
+    assert any("film" in k for k in a) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        assert torch.where(ro.mask, back.logprobs(ro)[0] - ro.logp_old, 0.0).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="film conditions the conv_keypoints tower"):
+        ActionTokenVLAConfig(film=True)

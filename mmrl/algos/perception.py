@@ -30,26 +30,30 @@ def perception_kl(logp: Tensor, logp_masked: Tensor, mask: Tensor, kl_max: float
     return k3.masked_fill(~mask, 0.0)
 
 
+def _dropped(shape: tuple[int, ...], prob: float, generator: torch.Generator | None,
+             device: torch.device) -> Tensor:
+    """A bool mask of `shape`, each entry True with probability `prob`, on `device`; the draw is made
+    on the generator's device so a seeded mask does not depend on where the data lives."""
+    if not 0.0 <= prob <= 1.0:
+        raise ValueError(f"mask probability must be in [0, 1], got {prob}")
+    drop = torch.rand(*shape, generator=generator, device=generator.device if generator else device)
+    return (drop < prob).to(device)
+
+
 def mask_patches(patches: Tensor, black: Tensor, prob: float, generator: torch.Generator | None = None) -> Tensor:
     """Each row of `patches` [P, D] (one vision patch, channel-major) replaced by `black` [D] (the
     normalised value of a black patch) with probability `prob`, independently."""
-    if not 0.0 <= prob <= 1.0:
-        raise ValueError(f"mask probability must be in [0, 1], got {prob}")
-    drop = torch.rand(patches.shape[0], generator=generator, device=generator.device if generator else patches.device)
-    return torch.where((drop < prob).to(patches.device)[:, None], black.to(patches.dtype), patches)
+    drop = _dropped((patches.shape[0],), prob, generator, patches.device)
+    return torch.where(drop[:, None], black.to(patches.dtype), patches)
 
 
 def mask_squares(frames: Tensor, side: int, prob: float, generator: torch.Generator | None = None) -> Tensor:
     """Camera frames [..., H, W, C] with each `side` x `side` square of a grid from the top-left
     corner (partial at the edges) blacked with probability `prob`, independently per frame: PAPO's
     patch masking on raw frames, for policies whose rollouts keep images rather than patches."""
-    if not 0.0 <= prob <= 1.0:
-        raise ValueError(f"mask probability must be in [0, 1], got {prob}")
     if side < 1:
         raise ValueError(f"the masked squares' side must be >= 1 pixel, got {side}")
     *lead, H, W, _ = frames.shape
-    gh, gw = -(-H // side), -(-W // side)
-    drop = torch.rand(*lead, gh, gw, generator=generator, device=generator.device if generator else frames.device)
-    keep = (drop >= prob).to(frames.device)
+    keep = ~_dropped((*lead, -(-H // side), -(-W // side)), prob, generator, frames.device)
     keep = keep.repeat_interleave(side, -2)[..., :H, :].repeat_interleave(side, -1)[..., :W]
     return frames * keep[..., None].to(frames.dtype)

@@ -87,6 +87,10 @@ class ActionTokenVLAConfig:
     # the tower's tokens through a small MLP head (0: off). Without it SFT leaves the policy
     # image-blind on random layouts; with it the tower learns where things are (docs/vla_experiments.md).
     aux_action_loss: float = 0.0
+    # conv_keypoints: FiLM-condition the conv tower on the instruction (each conv block's features
+    # scaled and shifted by a linear map of the prompt's mean token embedding, RT-1's FiLM
+    # EfficientNet), so the keypoints can find the named object rather than every object
+    film: bool = False
     # read by `from_config` only
     arch: str = "qwen2_5_vl"  # the tiny backbone (model.source: tiny)
     freeze_vision: bool = False
@@ -102,6 +106,8 @@ class ActionTokenVLAConfig:
         if self.aux_action_loss < 0 or (self.aux_action_loss > 0 and self.vision != "conv_keypoints"):
             raise ValueError(f"aux_action_loss must be >= 0 and needs vision: conv_keypoints (its tokens feed the "
                              f"head); got {self.aux_action_loss} with vision {self.vision!r}")
+        if self.film and self.vision != "conv_keypoints":
+            raise ValueError(f"film conditions the conv_keypoints tower; got vision {self.vision!r}")
         _at_least(self, 2, "n_bins")
         if "{instruction}" not in self.prompt_template:
             raise ValueError(f"prompt_template must contain {{instruction}}, got {self.prompt_template!r}")

@@ -22,6 +22,15 @@ Tokens: one token per keypoint, so the number of keypoints K is the image's plac
 fixed when the encoder is built (`image_token_count` of the camera size). An image that gets another
 count (another size) is an error, not silently padded or cut.
 
+Instruction conditioning (`film_dim` > 0): each conv block's normalised features are scaled and
+shifted per channel by a linear map of a conditioning vector (FiLM, Perez et al. 2018, as RT-1
+conditions its EfficientNet on the instruction), zero-initialised so a new tower starts unconditioned.
+The policy passes one vector per image (its prompt's mean token embedding) inside
+`encoder.conditioned(...)`; a FiLM tower called outside that block is an error. Without it the
+keypoints must serve every instruction at once: on random layouts a tower trained with the
+auxiliary action loss, which sees no instruction, learned to reach for the nearest ball
+(docs/vla_experiments.md).
+
 Augmentation: `random_shift` (DrQ) runs only inside `encoder.augmenting(...)`, which the policy's
 `sft_loss` opens, and only in train mode. Not on `self.training` alone: the trainer puts the model
 in train mode for RL updates too, and there the teacher-forced log-probs must equal the sampler's.
@@ -139,7 +148,7 @@ class ConvKeypointsEncoder(nn.Module):
 
     def __init__(self, out_hidden_size: int, n_keypoints: int, *, patch_size: int, temporal_patch_size: int,
                  spatial_merge_size: int, channels: int = 32, in_channels: int = 3, augment_pad: int = 0,
-                 aux_dim: int = 0):
+                 aux_dim: int = 0, film_dim: int = 0):
         super().__init__()
         if n_keypoints < 1:
             raise ValueError(f"n_keypoints must be >= 1, got {n_keypoints}")
@@ -152,6 +161,14 @@ class ConvKeypointsEncoder(nn.Module):
         self.convs = nn.Sequential(_conv(in_channels, channels, 2, groups), _conv(channels, channels, 1, groups),
                                    _conv(channels, channels, 1, groups))
         self.to_heatmaps = nn.Conv2d(channels, n_keypoints, 1)
+        # FiLM: (scale, shift) per channel of each conv block from the conditioning vector; zeros at
+        # init, so the conditioned tower starts as the unconditioned one.
+        self.film = None
+        if film_dim > 0:
+            self.film = nn.Linear(film_dim, 2 * channels * len(self.convs))
+            nn.init.zeros_(self.film.weight)
+            nn.init.zeros_(self.film.bias)
+        self._cond: torch.Tensor | None = None
         # Learnable softmax temperature (as log, so it stays positive), robomimic's SpatialSoftmax.
         self.log_temperature = nn.Parameter(torch.zeros(()))
         self.proj = nn.Linear(2 + channels, out_hidden_size)
@@ -183,11 +200,34 @@ class ConvKeypointsEncoder(nn.Module):
         finally:
             self._augment, self._generator, self._pad = saved
 
-    def encode_images(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Images [B, C, H, W] -> (LM tokens [B, K, hidden], keypoints [B, K, 2])."""
+    @contextmanager
+    def conditioned(self, cond: torch.Tensor) -> Iterator[None]:
+        """FiLM conditioning [images, film_dim] (one row per image, in the processor's image order)
+        for the tower's calls inside the block."""
+        if self.film is None:
+            raise RuntimeError("this conv_keypoints tower was built without FiLM (film_dim 0)")
+        saved, self._cond = self._cond, cond
+        try:
+            yield
+        finally:
+            self._cond = saved
+
+    def encode_images(self, images: torch.Tensor, cond: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images [B, C, H, W] (and FiLM conditioning [B, film_dim]) -> (LM tokens [B, K, hidden],
+        keypoints [B, K, 2])."""
         if self._augment and self.training and self._pad > 0:
             images = random_shift(images, self._pad, self._generator)
-        feats = self.convs(images)
+        if (self.film is None) != (cond is None):
+            raise ValueError("a FiLM tower needs its conditioning (call it inside `conditioned`), "
+                             "a tower without FiLM takes none")
+        film = None if cond is None else self.film(cond.to(images.dtype)).view(len(images), len(self.convs), 2, -1, 1, 1)
+        feats = images
+        for i, (conv, norm, act) in enumerate(self.convs):
+            feats = norm(conv(feats))
+            if film is not None:
+                feats = feats * (1 + film[:, i, 0]) + film[:, i, 1]
+            feats = act(feats)
         keypoints, attn = spatial_soft_argmax(self.to_heatmaps(feats), self.log_temperature.exp())
         # Each keypoint's feature: the feature map averaged under its softmax heatmap.
         point_feats = attn.to(feats.dtype) @ feats.flatten(2).transpose(1, 2)  # [B, K, channels]
@@ -214,6 +254,10 @@ class ConvKeypointsEncoder(nn.Module):
                              "model.params.n_keypoints equal to the camera image's token count")
         images = patches_to_images(hidden_states, grid_thw, self.patch_size, self.temporal_patch_size,
                                    self.spatial_merge_size)
+        if self.film is not None and (self._cond is None or len(self._cond) != len(images)):
+            got = "none" if self._cond is None else f"{len(self._cond)} rows"
+            raise ValueError(f"this FiLM tower needs one conditioning row per image ({len(images)}), got {got}: "
+                             "call it inside `conditioned(...)`")
         tokens: list[torch.Tensor | None] = [None] * len(images)
         points: list[torch.Tensor | None] = [None] * len(images)
         # Images of one size go through the convs together (usually all of them).
@@ -221,7 +265,8 @@ class ConvKeypointsEncoder(nn.Module):
         for i, img in enumerate(images):
             by_shape.setdefault(tuple(img.shape), []).append(i)
         for idx in by_shape.values():
-            tok, kp = self.encode_images(torch.stack([images[i] for i in idx]))
+            tok, kp = self.encode_images(torch.stack([images[i] for i in idx]),
+                                         None if self.film is None else self._cond[idx])
             for j, i in enumerate(idx):
                 tokens[i], points[i] = tok[j], kp[j]
         out = torch.cat(tokens)  # type: ignore[arg-type]
@@ -241,10 +286,10 @@ def conv_encoder(model: nn.Module) -> ConvKeypointsEncoder | None:
 
 
 def install_conv_keypoints(model: nn.Module, n_keypoints: int, *, augment_pad: int = 0, channels: int = 32,
-                           seed: int | None = None, aux_dim: int = 0) -> ConvKeypointsEncoder:
+                           seed: int | None = None, aux_dim: int = 0, film: bool = False) -> ConvKeypointsEncoder:
     """Replace a Qwen-VL model's vision tower by a `ConvKeypointsEncoder` (seeded weights, the old
     tower's dtype and device); returns it. The model's state dict then holds its weights under the
-    same `...visual.` prefix."""
+    same `...visual.` prefix. `film` conditions it on the LM's token embeddings (`conditioned`)."""
     from mmrl.policies.qwen_vl import _rope_owner
 
     owner = _rope_owner(model)
@@ -257,7 +302,7 @@ def install_conv_keypoints(model: nn.Module, n_keypoints: int, *, augment_pad: i
                                    temporal_patch_size=vc.temporal_patch_size,
                                    spatial_merge_size=vc.spatial_merge_size, channels=channels,
                                    in_channels=getattr(vc, "in_channels", 3), augment_pad=augment_pad,
-                                   aux_dim=aux_dim)
+                                   aux_dim=aux_dim, film_dim=model.get_input_embeddings().weight.shape[1] if film else 0)
     p = next(old.parameters())
     owner.visual = enc.to(device=p.device, dtype=p.dtype)
     return enc

@@ -193,7 +193,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         if c.vision == "conv_keypoints" and conv_encoder(model) is None:  # a fresh conv tower
             n_keypoints = c.n_keypoints or _camera_token_count(task, c, processor)
             install_conv_keypoints(model, n_keypoints, augment_pad=c.shift_pad, seed=cfg.train.seed,
-                                   aux_dim=_aux_dim(c))
+                                   aux_dim=_aux_dim(c), film=c.film)
         if c.freeze_vision:
             _rope_owner(model).visual.requires_grad_(False)
         model = apply_lora(model, m).to(device)
@@ -220,7 +220,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         # The saved head's shape decides whether it is rebuilt (its weights are in the checkpoint).
         aux_dim = _aux_dim(ActionTokenVLAConfig(**{k: v for k, v in saved.items() if k in ACTION_VLA_PARAMS}))
         install_conv_keypoints(model, c.n_keypoints or saved["n_keypoints"], augment_pad=c.shift_pad,
-                               aux_dim=aux_dim)
+                               aux_dim=aux_dim, film=bool(saved.get("film", False)))
         load_conv_keypoints(model, checkpoint_dir(path))
         return model, processor
 
@@ -236,7 +236,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
             if c.n_keypoints is None:
                 raise ValueError("a plain checkpoint with vision: conv_keypoints needs n_keypoints (the camera "
                                  "image's token count)")
-            install_conv_keypoints(model, c.n_keypoints, augment_pad=c.shift_pad, aux_dim=_aux_dim(c))
+            install_conv_keypoints(model, c.n_keypoints, augment_pad=c.shift_pad, aux_dim=_aux_dim(c), film=c.film)
         return cls(model.to(device), processor, c, **{k: v for k, v in kwargs.items() if k not in ACTION_VLA_PARAMS})
 
     def save(self, directory: str | Path) -> None:
@@ -247,7 +247,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
                "vision": self.config.vision}
         if self.config.vision == "conv_keypoints":  # what loading needs to rebuild the tower before its weights
             cfg.update(n_keypoints=self.config.n_keypoints, shift_pad=self.config.shift_pad,
-                       aux_action_loss=self.config.aux_action_loss)
+                       aux_action_loss=self.config.aux_action_loss, film=self.config.film)
         (Path(directory) / ACTION_VLA_CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
 
     # ------------------------------------------------------------------ observations -> prompts
@@ -278,7 +278,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         stepper = VLStepper(self.model, enc["mm_token_type_ids"], vision_inputs(enc["pixel_values"],
                                                                                 enc["image_grid_thw"]), 1)
         # Inference mode costs less per op than no_grad; the outputs are cloned out of it below.
-        with eval_mode(self.model), torch.inference_mode():
+        with eval_mode(self.model), torch.inference_mode(), self._instruction_film(enc):
             tokens_t, logp_t = self._decode_chunk(stepper, enc, temperature, generator)
         tokens_t, logp_t = tokens_t.clone(), logp_t.clone()
         return ActOutput(actions=self.tokens_to_actions(tokens_t), tokens=tokens_t, logp=logp_t)
@@ -303,6 +303,21 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
                 logits = stepper.step(tokens[-1])
         return torch.stack(tokens, 1), torch.stack(logps, 1)
 
+    def _instruction_film(self, enc: dict[str, Any], model: nn.Module | None = None):
+        """The conv tower's FiLM conditioning for `enc`'s images, when the tower has FiLM: each row's
+        mean input embedding over its prompt's text tokens (the image placeholders and padding left
+        out), repeated for the row's images (cameras)."""
+        model = model or self.model
+        conv = conv_encoder(model)
+        if conv is None or conv.film is None:
+            return nullcontext()
+        ids = enc["prompt_ids"]
+        text = (enc["prompt_mask"].bool() & (enc["mm_token_type_ids"] == 0)).unsqueeze(-1)
+        emb = model.get_input_embeddings()(ids)
+        cond = (emb * text).sum(1) / text.sum(1).clamp_min(1)
+        per_row = torch.tensor([len(g) for g in enc["image_grid_thw"]], device=cond.device)
+        return conv.conditioned(cond.repeat_interleave(per_row, 0))
+
     # ------------------------------------------------------------------ teacher forcing
 
     def _chunk_logprobs(self, model: nn.Module, enc: dict[str, Any], tokens: torch.Tensor, with_entropy: bool,
@@ -314,8 +329,9 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         mm = torch.cat([enc["mm_token_type_ids"], torch.zeros_like(tokens)], 1)
         vision = vision_inputs(enc["pixel_values"], enc["image_grid_thw"])
         pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm, use_cache=False,
-                       logits_to_keep=L + 1, **vision).logits[:, :-1].float()
+        with self._instruction_film(enc, model):
+            logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm, use_cache=False,
+                           logits_to_keep=L + 1, **vision).logits[:, :-1].float()
         z = logits[..., self.token_start:self.token_start + self.n_bins]
         t = self.temperature if temperature is None else temperature
         if t not in (0.0, 1.0):  # greedy rollouts are scored at temperature 1 (their logp is informational)
@@ -433,7 +449,9 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
             loss = -torch.where(valid, logp, 0.0).sum() / valid.sum().clamp_min(1)
             if self.config.aux_action_loss > 0 and self.model.training:
                 vision = vision_inputs(enc["pixel_values"], enc["image_grid_thw"])
-                pred = conv.aux_predict(vision["pixel_values"].to(conv.dtype), vision["image_grid_thw"], len(ex)).float()
+                with self._instruction_film(enc):
+                    pred = conv.aux_predict(vision["pixel_values"].to(conv.dtype), vision["image_grid_thw"],
+                                            len(ex)).float()
                 target = self.bins.normalise(actions).flatten(1).to(pred.device)
                 aux = torch.where(valid, (pred - target) ** 2, 0.0).sum() / valid.sum().clamp_min(1)
                 loss = loss + self.config.aux_action_loss * aux
