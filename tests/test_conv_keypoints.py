@@ -314,3 +314,5 @@ def test_film_conditions_the_tower_on_the_instruction(tokenizer, tmp_path):
         assert torch.where(ro.mask, back.logprobs(ro)[0] - ro.logp_old, 0.0).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="film conditions the conv_keypoints tower"):
         ActionTokenVLAConfig(film=True)
+    with pytest.raises(ValueError, match="film is True but the model's conv tower was built without FiLM"):
+        conv_policy(tokenizer, conv_model(tokenizer), film=True)

@@ -129,6 +129,9 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
                              "from_config / from_pretrained, or install_conv_keypoints(model, n_keypoints) first")
         if enc is None:
             return c
+        if c.film != (enc.film is not None):
+            raise ValueError(f"film is {c.film} but the model's conv tower was built "
+                             f"{'with' if enc.film is not None else 'without'} FiLM")
         if c.n_keypoints not in (None, enc.n_keypoints):
             raise ValueError(f"n_keypoints is {c.n_keypoints} but the model's conv tower has {enc.n_keypoints}")
         return dataclasses.replace(c, n_keypoints=enc.n_keypoints)
