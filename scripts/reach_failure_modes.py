@@ -45,8 +45,8 @@ def main() -> None:
         closest = np.full(len(colours), np.inf)
         done = False
         for _ in range(policy.max_chunks):
-            images = np.stack([obs["images"][c] for c in policy.cameras])[None]
-            actions = policy._act_images(images, [info["instruction"]], generator, args.temperature).actions[0]
+            batch = {"images": {c: obs["images"][c][None] for c in policy.cameras}}
+            actions = policy.act(batch, [info["instruction"]], generator, args.temperature).actions[0]
             for a in actions.numpy():
                 obs, _, terminated, truncated, info = env.step(a)
                 closest = np.minimum(closest, np.linalg.norm(env.object_pos - env.tcp_pos, axis=1))
