@@ -36,8 +36,10 @@ fetch() {
   done
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]/#/--platform=}" -d .whl "${pins[@]}"
-  local o=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64)
-  mkdir -p /tmp/amd64/partial
+  local lists
+  lists=$(mktemp -d)  # apt's package lists for amd64, apart from this machine's own
+  local o=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists="$lists")
+  mkdir -p "$lists/partial"
   apt-get "${o[@]}" update -qq
   (cd .gl && apt-get "${o[@]}" download libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2 2>/dev/null)
   du -sh .whl .gl
@@ -74,17 +76,18 @@ case "$mode" in
     [ -d .whl ] || { echo "no .whl/: run 'bash bench/gpu_session.sh fetch' here and carry .whl and .gl" >&2; exit 2; }
     for f in .gl/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
     ldconfig 2>/dev/null || true
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 MUJOCO_GL=egl PYOPENGL_PLATFORM=egl
+    scratch=$(mktemp -d)  # installed packages and the benches' run folders, off the working tree
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$scratch/site" .whl/*.whl || exit 2
+    export PYTHONPATH="$scratch/site" PYTHONUNBUFFERED=1 MUJOCO_GL=egl PYOPENGL_PLATFORM=egl
     vendor=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json  # the driver's EGL, for libglvnd
     [ -e "$vendor" ] && export __EGL_VENDOR_LIBRARY_FILENAMES=$vendor
     mkdir -p "$OUT"
     nvidia-smi -L | tee "$OUT/device.txt"
     # ~9 min in all: budget + model build, VQ training and two evaluations per planning env.
-    bench planning_frozenlake 180 bench/gpu_planning.py --envs frozenlake --minutes 1.25 --out /tmp/gpu_planning
-    bench planning_maze 180 bench/gpu_planning.py --envs maze --minutes 1.25 --out /tmp/gpu_planning
-    bench vla_tabletop 110 bench/gpu_vla.py --env tabletop --steps 2 --output-dir /tmp/gpu_vla
-    bench caption 90 bench/gpu_caption.py --steps 2 --out /tmp/gpu_caption
+    bench planning_frozenlake 180 bench/gpu_planning.py --envs frozenlake --minutes 1.25 --out "$scratch/gpu_planning"
+    bench planning_maze 180 bench/gpu_planning.py --envs maze --minutes 1.25 --out "$scratch/gpu_planning"
+    bench vla_tabletop 110 bench/gpu_vla.py --env tabletop --steps 2 --output-dir "$scratch/gpu_vla"
+    bench caption 90 bench/gpu_caption.py --steps 2 --out "$scratch/gpu_caption"
     bench vlm 150 bench/gpu_vlm.py --steps 2
     bench video 90 bench/gpu_video.py
     # Multi-GPU training: 1 and 2 nccl ranks with the policy sharded by FSDP2 (ddp_scaling launches

@@ -10,8 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 from mmrl.envs import TaskBase, register_task
+from mmrl.envs.base import Headline, headline_rows
 
 _OPS = {"+": np.add, "-": np.subtract, "*": np.multiply}
+# The exact-answer rewards a text config trains on; the trainer logs each as eval/<name>.
+EXACT_REWARDS = ("exact_match", "arithmetic_exact")
 
 
 @register_task("arithmetic")
@@ -62,6 +65,12 @@ class ArithmeticTask(TaskBase):
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = int(state["cursor"])
+
+    def headline(self, before: dict, after: dict) -> list[Headline]:
+        """Held-out exact match, greedy and sampled at the training temperature (README's rows)."""
+        name = next((r for r in EXACT_REWARDS if f"eval/{r}" in after), EXACT_REWARDS[0])
+        return headline_rows(before, after, [("greedy exact match", f"eval/{name}", ".3f"),
+                                             ("sampled exact match", f"eval/sampled_{name}", ".3f")])
 
 
 @register_task("digit_sort")

@@ -2,16 +2,51 @@
 
 A task is a prompt source (`next_batch`, `eval_batch`, `sft_batch`, `state_dict`) registered by
 name with `register_task`. Subclass `TaskBase` and override only the hooks a domain has: a domain
-metric (`evaluate`), a before/after table (`summarize`), its own checkpoint report (`evaluate_checkpoint`).
+metric (`evaluate`), the metric a run's headline reports (`headline`), a before/after table
+(`summarize`), its own checkpoint report (`evaluate_checkpoint`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+
+
+class Headline(NamedTuple):
+    """One metric of a run's headline, `label: before -> after`: the value of `key` in the first
+    and the last held-out evaluation (None where that evaluation did not log it). `fmt` is a format
+    spec: ".3f", or ".1%" to show a share as a percentage."""
+
+    label: str
+    before: float | None
+    after: float | None
+    fmt: str
+    key: str  # where each evaluation logs it (the report plots it over the run's evaluations)
+
+    def show(self, value: float | None) -> str:
+        return "n/a" if value is None or math.isnan(value) else format(value, self.fmt)
+
+
+# (label, eval key, format): what a run reports when its task names no metric of its own
+HELD_OUT_REWARD = ("held-out reward", "eval/total", ".3f")
+
+
+def headline_rows(before: dict[str, Any], after: dict[str, Any],
+                  metrics: Iterable[tuple[str, str, str]]) -> list[Headline]:
+    """The `metrics` (label, eval key, format) that either evaluation logged, as headline rows; the
+    held-out reward when none was (a policy that cannot produce the task's metric, a renamed reward),
+    so a headline is never empty."""
+    rows = [Headline(label, before.get(key), after.get(key), fmt, key)
+            for label, key, fmt in metrics if key in before or key in after]
+    if rows:
+        return rows
+    label, key, fmt = HELD_OUT_REWARD
+    return [Headline(label, before.get(key), after.get(key), fmt, key)]
 
 
 class TaskBase:
@@ -30,6 +65,24 @@ class TaskBase:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> None:
+        """Refuse, with a ValueError naming the key, `task.params` that are valid names but do not fit
+        together (checked when the config loads, after the names against `__init__`); none by default."""
+
+    def data_summary(self) -> str:
+        """One line on where the training and held-out data come from, said when a run starts; "" for none."""
+        return ""
+
+    def sft_targets(self) -> str:
+        """What SFT imitates (said when a run with SFT starts)."""
+        return "the task's expert targets"
+
+    def run_health(self) -> dict[str, Any]:
+        """Facts results.json should carry about how the run went (e.g. env worker restarts), with
+        "notes": lines `mmrl train` prints at the end; {} by default."""
+        return {}
+
     def corpus(self) -> list[str]:
         """Text to train a tiny local tokenizer on; [] lets the policy build one from SFT contexts."""
         return []
@@ -44,8 +97,15 @@ class TaskBase:
         default."""
         return {}
 
+    def headline(self, before: dict[str, Any], after: dict[str, Any]) -> list[Headline]:
+        """The metric(s) README's results table reports for this domain, from the first and the last
+        held-out evaluation (results.json's eval_before / eval_after): `mmrl train` prints them first
+        and report.md opens with them. Default: the mean held-out reward."""
+        return headline_rows(before, after, [HELD_OUT_REWARD])
+
     def summarize(self, results: dict[str, Any], out_dir: str, cpu_s: float | None = None) -> str:
-        """Text `mmrl train` prints after the run (e.g. a before/after table); none by default."""
+        """Markdown `mmrl train` prints after the headline and report.md includes (e.g. a
+        before/after table by size); none by default."""
         return ""
 
     def load_for_eval(self, policy, checkpoint: str | Path, splits: list[str] | None = None) -> tuple[Path, dict]:

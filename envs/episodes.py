@@ -44,6 +44,7 @@ class VectorEnvFactory:
         self.max_envs = max_envs
         self.env_kwargs = {"image_size": image_size, **({"cameras": tuple(cameras)} if cameras else {}), **env_kwargs}
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._closed_restarts = 0  # worker restarts of the env sets already closed
         self.shuffle_images = False  # set inside `images_shuffled()`
         # Close cached envs before interpreter teardown: renderers freed after their GL module is
         # gone raise noisy errors, and worker processes should not outlive the run.
@@ -86,8 +87,17 @@ class VectorEnvFactory:
                else SyncVectorEnv(factory=factory, specs=specs))
         self._cache[key] = env
         while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)[1].close()
+            self._retire(self._cache.popitem(last=False)[1])
         return env
+
+    def _retire(self, env) -> None:
+        self._closed_restarts += getattr(env, "restarts", 0)
+        env.close()
+
+    @property
+    def restarts(self) -> int:
+        """Env worker restarts (a worker died or hung) over every env set this factory has built."""
+        return self._closed_restarts + sum(getattr(env, "restarts", 0) for env in self._cache.values())
 
     def prefetch(self, rows: list[dict]) -> None:
         """Start resetting the env set of `rows` to their initial states without waiting."""
@@ -101,7 +111,7 @@ class VectorEnvFactory:
 
     def close(self) -> None:
         while self._cache:
-            self._cache.popitem()[1].close()
+            self._retire(self._cache.popitem()[1])
 
 
 def shuffle_partners(rows: list[dict]) -> np.ndarray:

@@ -123,6 +123,21 @@ class RobotTask(TaskBase):
     def eval_batch(self, n: int) -> list[dict]:
         return [dict(c) for c in self.test[: min(n, len(self.test))]]
 
+    def run_health(self) -> dict[str, Any]:
+        """Facts on how the run went that its results should carry (the trainer's hook: it adds them
+        to results.json as "run_health" and prints each of "notes"): here, how often an env worker
+        died or hung and was restarted. Each restart scored the episodes in flight on that worker as
+        failures, so a run with restarts learned from, and was evaluated on, some unlucky zeros."""
+        factory = getattr(self, "_env_factory", None)  # built on first use: no envs, nothing to say
+        if self.num_workers == 0 or factory is None:
+            return {}
+        n = int(getattr(factory, "restarts", 0))
+        health: dict[str, Any] = {"env_worker_restarts": n}
+        if n:
+            health["notes"] = [f"{n} env worker restart(s) during this run: a worker process died or hung, and "
+                               "the episodes it was running counted as failures"]
+        return health
+
     def state_dict(self) -> dict:
         return {"cursor": self.cursor}
 
@@ -171,6 +186,16 @@ class RobotTask(TaskBase):
 
     def has_demos(self) -> bool:
         return getattr(self, "demos_per_task", 0) > 0 and hasattr(self, "demo_frames")
+
+    def headline(self, before: dict[str, Any], after: dict[str, Any]) -> list:
+        """Held-out success in percent, sampled at the training temperature (`evaluate`'s
+        sampled/success) and greedy (greedy/success, or the trainer's own greedy pass of the
+        `success` reward when the eval mode is sampled): README's rows."""
+        from mmrl.envs.base import headline_rows
+
+        greedy = "eval/greedy/success" if "eval/greedy/success" in after else "eval/success"
+        return headline_rows(before, after, [("sampled success", "eval/sampled/success", ".1%"),
+                                             ("greedy success", greedy, ".1%")])
 
     def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None) -> Path:
         """`mmrl eval`: every held-out state (LIBERO: each task's official initial states, the

@@ -11,8 +11,9 @@ shape trajectory-level GRPO wants: G rollouts per initial state, one 0/1 reward 
 
 A worker that dies (segfault, `os._exit`, kill -9) or does not answer within the timeout marks
 the unfinished trajectories of all its envs failed (done, success=False, info["crashed"]=True),
-is restarted in the background, and the run goes on. An exception inside one env's `step` fails
-only that env's trajectory; the worker rebuilds that env in place.
+is restarted in the background, and the run goes on; `restarts` counts it. An exception inside one
+env's `step` fails only that env's trajectory; the worker rebuilds that env in place. Workers show
+in `ps` / `pgrep` as `mmrl-env-worker` (Linux keeps 15 characters of a process name).
 
 `reset_async(seeds, init_state_ids)` starts a reset in the workers and returns at once; the next
 `reset` with the same arguments only collects it. A trainer calls it right after a rollout, so the
@@ -23,6 +24,7 @@ first completes the pending one.
 
 from __future__ import annotations
 
+import io
 import logging
 import multiprocessing as mp
 import pickle
@@ -33,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -120,18 +123,52 @@ class _EnvRunner:
             pass
 
 
+def _send_msg(conn: Connection, obj: Any) -> None:
+    """`conn.send(obj)` without its memoryview: `Connection.send` pickles into a BytesIO and sends
+    `getbuffer()` of it, so when the pipe is broken the error's traceback holds a frame with a view
+    of that BytesIO. Once that traceback is in a reference cycle, the garbage collector of CPython
+    3.12 (3.12.1 here) can free the BytesIO before the view: "SystemError: deallocated BytesIO object
+    has exported buffers", then a segfault (python/cpython#111049, #111331). Bytes export nothing."""
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    conn.send_bytes(buf.getvalue())
+
+
+def _recv_msg(conn: Connection) -> Any:
+    """`conn.recv()` without a view of a BytesIO (see `_send_msg`)."""
+    return ForkingPickler.loads(conn.recv_bytes())
+
+
+def _name_process(name: str) -> None:
+    """Show this process as `name` in ps, top and pgrep (Linux; elsewhere it keeps python's name)."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])  # the kernel's limit
+    except OSError:
+        pass
+
+
 def _worker_main(conn: Connection, env_fns: list[EnvFn]) -> None:
-    """The loop of one worker process: build its envs, then answer commands until "close"."""
+    """One worker process: answer the parent until it says "close" or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _name_process(mp.current_process().name)
+    try:
+        _serve(conn, env_fns)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the parent exited or gave up on this worker: there is no one to answer
+
+
+def _serve(conn: Connection, env_fns: list[EnvFn]) -> None:
+    """Build the envs, then answer commands until "close"."""
     try:
         runners = [_EnvRunner(fn) for fn in env_fns]
-        conn.send(("ready", None))
+        _send_msg(conn, ("ready", None))
     except Exception:
-        conn.send(("error", traceback.format_exc()))
+        _send_msg(conn, ("error", traceback.format_exc()))
         return
     while True:
         try:
-            cmd, payload = conn.recv()
+            cmd, payload = _recv_msg(conn)
         except (EOFError, OSError):
             break  # parent went away
         try:
@@ -144,17 +181,23 @@ def _worker_main(conn: Connection, env_fns: list[EnvFn]) -> None:
             elif cmd == "close":
                 for r in runners:
                     r.close()
-                conn.send(("ok", None))
+                _send_msg(conn, ("ok", None))
                 break
             else:
                 raise ValueError(f"unknown worker command {cmd!r}")
-            conn.send(("ok", out))
+            _send_msg(conn, ("ok", out))
         except Exception:
-            conn.send(("error", traceback.format_exc()))
+            _send_msg(conn, ("error", traceback.format_exc()))
 
 
 class _WorkerDied(Exception):
-    pass
+    """A worker is dead or late. Raised outside `except` blocks (no chained pipe error) and kept
+    without traceback (`_died`): the replies dict that holds it is a local of the frames that
+    traceback would hold, a cycle that would keep frames, pipes and buffers alive until a GC pass."""
+
+
+def _died(exc: _WorkerDied) -> _WorkerDied:
+    return exc.with_traceback(None)
 
 
 class _Worker:
@@ -162,7 +205,6 @@ class _Worker:
 
     def __init__(self, ctx, env_fns: list[EnvFn], env_ids: list[int], index: int):
         self.ctx, self.env_fns, self.env_ids, self.index = ctx, env_fns, env_ids, index
-        self.restarts = 0
         self.start()
 
     def start(self) -> None:
@@ -186,28 +228,35 @@ class _Worker:
 
     def send(self, cmd: str, payload: Any) -> None:
         try:
-            self.conn.send((cmd, payload))
+            _send_msg(self.conn, (cmd, payload))
+            return
         except (BrokenPipeError, EOFError, OSError) as exc:
-            raise _WorkerDied(f"pipe broken on send ({exc})") from exc
+            reason = f"pipe broken on send ({exc})"
+        raise _WorkerDied(reason)  # not chained to the pipe error (see _WorkerDied)
 
     def recv(self, timeout: float) -> tuple[str, Any]:
         try:
-            if not self.conn.poll(max(timeout, 0.0)):
-                raise _WorkerDied(f"no reply within {timeout:.1f}s")
-            return self.conn.recv()
+            if self.conn.poll(max(timeout, 0.0)):
+                return _recv_msg(self.conn)
+            reason = f"no reply within {timeout:.1f}s"
         except (EOFError, OSError) as exc:
+            self.proc.join(timeout=0.5)  # a worker that closed its pipe is exiting: read its exit code
             code = self.proc.exitcode
-            raise _WorkerDied(f"process exited (exit code {code})" if code is not None else f"pipe closed ({exc})") from exc
+            reason = f"process exited (exit code {code})" if code is not None else f"pipe closed ({exc})"
+        raise _WorkerDied(reason)
 
     def kill(self) -> None:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=5)
         self.conn.close()
+        try:
+            self.proc.close()  # its sentinel fd now, not whenever the Process object is collected
+        except ValueError:
+            pass  # still running after 5 s in an uninterruptible kernel call: leave it to the OS
 
     def restart(self) -> None:
         self.kill()
-        self.restarts += 1
         self.start()  # does not wait: construction overlaps with the other workers' stepping
 
     @property
@@ -403,6 +452,7 @@ class VectorEnv(_VectorBase):
         ctx = mp.get_context(context)
         self._workers: list[_Worker] = []
         self._pending_reset: tuple[list, list[int], dict[int, Any]] | None = None  # requests, sent, early replies
+        self._restarts = 0
         self._owner = np.zeros(len(fns), int)  # env -> worker index
         self._local = np.zeros(len(fns), int)  # env -> index inside its worker
         try:
@@ -422,8 +472,8 @@ class VectorEnv(_VectorBase):
 
     @property
     def restarts(self) -> int:
-        """How many times any worker has been restarted after a crash."""
-        return sum(w.restarts for w in self._workers)
+        """How many times any worker has been restarted after a crash (still counted after `close`)."""
+        return self._restarts
 
     @property
     def worker_pids(self) -> list[int | None]:
@@ -456,7 +506,7 @@ class VectorEnv(_VectorBase):
                 worker.send(cmd, payload)
                 sent.append(w)
             except _WorkerDied as exc:
-                replies[w] = exc
+                replies[w] = _died(exc)
         return sent, replies
 
     def _gather(self, cmd: str, sent: list[int], replies: dict[int, Any], timeout: float) -> dict[int, Any]:
@@ -467,7 +517,7 @@ class VectorEnv(_VectorBase):
                 # An exception the worker could not contain leaves it in an unknown state: restart it too.
                 replies[w] = _WorkerDied(f"raised:\n{out}") if status == "error" else out
             except _WorkerDied as exc:
-                replies[w] = exc
+                replies[w] = _died(exc)
         for w, reply in replies.items():
             if isinstance(reply, _WorkerDied):
                 worker = self._workers[w]
@@ -475,6 +525,7 @@ class VectorEnv(_VectorBase):
                                "trajectories are marked failed and the worker is restarted",
                                w, worker.env_ids[0], worker.env_ids[-1], worker.pid, cmd, reply)
                 worker.restart()
+                self._restarts += 1
         return replies
 
     def _reset_payloads(self, requests) -> dict[int, list]:

@@ -70,8 +70,10 @@ def evaluate_planner(policy, task, splits: Sequence[str] = ("test",), n: int | N
 # ----------------------------------------------------------------------------- tables
 
 
-def split_markdown(results: dict[str, Any], title: str = "") -> str:
-    """One table per run: a row per (split, size) with EM / PR / success / invalid share."""
+def split_markdown(results: dict[str, Any], title: str = "", train_sizes: Sequence[int] = ()) -> str:
+    """One table per run: a row per (split, size) with EM / PR / success / invalid share. With the
+    training grid sizes, an `ood` split that scores 0 is footnoted with why (`ood_note`)."""
+    note = ood_note(results.get("ood", {}), train_sizes)
     lines = [f"### {title}" if title else "", "",
              "| split | size | n | EM | PR | success | invalid share of failures |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -80,15 +82,31 @@ def split_markdown(results: dict[str, Any], title: str = "") -> str:
             lines.append(f"| {split} | — | 0 | — | — | — | skipped: {entry['skipped']} |")
             continue
         rows = [("all", entry)] + [(lv, m) for lv, m in entry["by_level"].items()]
+        name = f"{split} (1)" if split == "ood" and note else split
         for size, m in rows:
-            lines.append(f"| {split} | {size} | {int(m['n'])} | {_pct(m['exact_match'])} | "
+            lines.append(f"| {name} | {size} | {int(m['n'])} | {_pct(m['exact_match'])} | "
                          f"{_pct(m['progress_rate'])} | {_pct(m['success_rate'])} | "
                          f"{_pct(m['invalid_share_of_failures'])} |")
     overlap = results.get("paper", {}).get("in_training")
     if overlap is not None:
         lines += ["", f"{overlap} of the paper's {int(results['paper']['n'])} test layouts are also in the "
                   "training split (it is drawn without looking at them)."]
+    if note:
+        lines += ["", f"(1) {note}"]
     return "\n".join(lines).lstrip() + "\n"
+
+
+def ood_note(entry: dict[str, Any], train_sizes: Sequence[int]) -> str:
+    """Why an out-of-distribution split scores 0 EM (docs/vprl_experiments.md): the planner lays
+    every frame on a code canvas as large as its largest training grid, so a larger grid is a frame
+    it has never drawn. "" when the split was not run, scored above 0 or the training sizes are unknown."""
+    if not train_sizes or "exact_match" not in entry or entry["exact_match"] > 0:
+        return ""
+    biggest = max(train_sizes)
+    sizes = " / ".join(f"{lv}x{lv}" for lv in entry.get("by_level", {}))
+    return (f"{sizes or 'The out-of-distribution sizes'} score 0 by construction: the planner draws each frame "
+            f"on a code canvas sized to its largest training size, {biggest}x{biggest}, which cannot hold a "
+            "larger grid (docs/vprl_experiments.md).")
 
 
 def table1(records: Sequence[dict[str, Any]], split: str = "test") -> str:
@@ -199,7 +217,8 @@ def em_pr_figure(rows: list[dict[str, Any]]):
 
 def plan_gif(context: dict[str, Any], plan: dict[str, Any], path: str | Path, cell_size: int = 16,
              fps: float = 2.0, scale: int = 2) -> Path:
-    """A GIF of one plan: generated frame | the state parsed from it | the optimal plan's state."""
+    """A GIF of one plan: generated frame | the state parsed from it | the optimal plan's state,
+    each step's panels named above and the colours named below (`legend_strip`)."""
     import imageio.v2 as imageio
     from mmrl.envs.planning import render_state, shortest_path
 
@@ -217,12 +236,53 @@ def plan_gif(context: dict[str, Any], plan: dict[str, Any], path: str | Path, ce
         if gen.shape != first.shape:
             gen = blank
         tiles.append(np.concatenate([gen, gap, parsed, gap, ref], 1))
-    tiles = [_label_tile(np.repeat(np.repeat(tile, scale, 0), scale, 1), t, first.shape[1] * scale, 4 * scale)
+    legend = legend_strip(lay, tiles[0].shape[1] * scale)
+    tiles = [np.concatenate([_label_tile(np.repeat(np.repeat(tile, scale, 0), scale, 1), t, first.shape[1] * scale,
+                                         4 * scale), legend], 0)
              for t, tile in enumerate(tiles)]
     tiles += [tiles[-1]] * 2  # linger on the last step
     path = Path(path)
     imageio.mimsave(path, tiles, duration=1.0 / fps, loop=0)
     return path
+
+
+def legend_entries(layout) -> list[tuple[str, tuple[int, int, int]]]:
+    """(name, RGB) of every colour a frame of `layout` can show (the renderer's palette), and the
+    grey of a panel whose frame could not be parsed."""
+    from mmrl.envs.planning.grid import Cell
+    from mmrl.envs.planning.render import PALETTE, Colour
+
+    has = lambda cell: bool((layout.grid == cell).any())  # noqa: E731
+    names = [(Colour.FLOOR, "ice" if layout.task == "frozenlake" else "floor"),
+             (Colour.GOAL, "goal") if has(Cell.GOAL) else None,
+             (Colour.HOLE, "hole") if has(Cell.HOLE) else None,
+             (Colour.WALL, "wall") if has(Cell.WALL) or layout.walls is not None else None,
+             (Colour.TABLE, "table") if has(Cell.TABLE) else None,
+             (Colour.AGENT, "agent (red disc)"),
+             (Colour.PRINTER, "printer (dot in the agent = carried)") if layout.printer else None]
+    out = [(name, tuple(int(v) for v in PALETTE[colour])) for colour, name in filter(None, names)]
+    return out + [("not parseable / no frame", (128, 128, 128))]
+
+
+def legend_strip(layout, width: int) -> np.ndarray:
+    """A white strip `width` px wide: a swatch and a name per `legend_entries`, wrapped to new lines."""
+    from PIL import Image, ImageDraw
+
+    swatch, line_h, pad = 9, 13, 10
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    placed, x, y = [], 2, 2
+    for name, rgb in legend_entries(layout):
+        item_w = swatch + 3 + int(measure.textlength(name)) + pad
+        if x > 2 and x + item_w > width:
+            x, y = 2, y + line_h
+        placed.append((x, y, name, rgb))
+        x += item_w
+    strip = Image.new("RGB", (width, y + line_h + 2), "white")
+    draw = ImageDraw.Draw(strip)
+    for x, y, name, rgb in placed:
+        draw.rectangle([x, y + 1, x + swatch, y + 1 + swatch], fill=rgb, outline=(0, 0, 0))
+        draw.text((x + swatch + 3, y), name, fill=(0, 0, 0))
+    return np.asarray(strip)
 
 
 def _label_tile(tile: np.ndarray, step: int, panel_w: int, gap_w: int) -> np.ndarray:
@@ -249,7 +309,7 @@ def write_planner_report(policy, task, out_dir: str | Path, method: str = "polic
     results, raw = evaluate_planner(policy, task, splits, n)
     record = {"method": method, "env": task.env, "sizes": task.sizes, "splits": results}
     (out_dir / "planning_eval.json").write_text(json.dumps(record, indent=2))
-    md = [f"# {ENV_TITLES[task.env]}: {method}", "", table1([record]), split_markdown(results)]
+    md = [f"# {ENV_TITLES[task.env]}: {method}", "", table1([record]), split_markdown(results, train_sizes=task.sizes)]
     png = plot_em_pr(run_dir, out_dir / "em_pr.png") if run_dir is not None else None
     if png is not None:
         md += ["![EM/PR vs training step](em_pr.png)"]
@@ -263,7 +323,7 @@ def write_planner_report(policy, task, out_dir: str | Path, method: str = "polic
         for i in dict.fromkeys(pick):
             plan_gif(contexts[i], plans[i], gif_dir / f"{contexts[i]['layout_id'].replace('/', '_')}.gif",
                      cell_size=task.cell_size)
-        md += ["", "GIFs in `plans/`: generated frame | parsed state | optimal plan."]
+        md += ["", "GIFs in `plans/`: generated frame | parsed state | optimal plan, with a colour legend."]
     (out_dir / "planning_eval.md").write_text("\n".join(md) + "\n")
     return record
 
@@ -318,6 +378,9 @@ def report_checkpoint(cfg, task, policy, checkpoint: str | Path | None, out: str
     for split, entry in record["splits"].items():
         print(f"{split}: " + (entry["skipped"] if "skipped" in entry else
                               "  ".join(f"{k}={entry[k]:.3f}" for k in METRIC_KEYS)))
+    note = ood_note(record["splits"].get("ood", {}), task.sizes)
+    if note:
+        print(f"ood: {note}")
     return out / "planning_eval.md"
 
 

@@ -219,22 +219,44 @@ def plot_success(run_dir: str | Path, out: str | Path) -> Path | None:
     return out
 
 
-def _video_frames(traj: dict[str, Any], scale: int = 3) -> list[np.ndarray]:
-    """Upscaled frames with a border: green for a success, red for a failure (last frame held)."""
+def _video_frames(traj: dict[str, Any], scale: int = 3, caption: str = "") -> list[np.ndarray]:
+    """Upscaled frames with a border (green for a success, red for a failure) under a white band
+    showing `caption` (the instruction); the last frame is held."""
     frames = np.asarray(traj["frames"])
     color = np.array([40, 200, 60] if traj["success"] else [220, 40, 40], np.uint8)
+    band = caption_band(caption, frames.shape[2] * scale) if caption else None
     out = []
     for f in frames:
         big = f.repeat(scale, 0).repeat(scale, 1)
         big[:4], big[-4:], big[:, :4], big[:, -4:] = color, color, color, color
-        out.append(big)
+        out.append(big if band is None else np.concatenate([band, big], 0))
     return out + [out[-1]] * 3
+
+
+def caption_band(text: str, width: int) -> np.ndarray:
+    """A white band `width` px wide with `text` in black, wrapped to as many lines as it needs."""
+    from PIL import Image, ImageDraw
+
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    lines: list[str] = []
+    for word in text.split():  # greedy wrap on the rendered width (long LIBERO instructions)
+        if lines and measure.textlength(f"{lines[-1]} {word}") <= width - 6:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    line_h = 12
+    band = Image.new("RGB", (width, line_h * len(lines) + 4), "white")
+    draw = ImageDraw.Draw(band)
+    for i, line in enumerate(lines):
+        draw.text((3, 2 + line_h * i), line, fill=(0, 0, 0))
+    return np.asarray(band)
 
 
 def write_videos(contexts: list[dict], outputs: list[dict], out_dir: str | Path, n: int = 4, fps: float = 4.0
                  ) -> list[Path]:
     """GIFs (and MP4s where imageio can find FFmpeg) of up to n rollouts, successes first then
-    failures. Frames are the decision steps (one per action chunk)."""
+    failures, the instruction shown above the frames. Frames are the decision steps (one per action
+    chunk)."""
     import imageio.v2 as imageio
 
     out_dir = Path(out_dir)
@@ -247,7 +269,7 @@ def write_videos(contexts: list[dict], outputs: list[dict], out_dir: str | Path,
         c, o = contexts[i], outputs[i]
         stem = f"{j:02d}_{c.get('task', c.get('task_id', ''))}_{c.get('init_state_id', i)}_" \
                f"{'success' if o['success'] else 'failure'}"
-        frames = _video_frames(o)
+        frames = _video_frames(o, caption=o.get("instruction") or c.get("instruction") or str(c.get("task", "")))
         gif = out_dir / f"{stem}.gif"
         imageio.mimsave(gif, frames, duration=1.0 / fps, loop=0)
         paths.append(gif)
@@ -294,7 +316,7 @@ def write_vla_report(policy, suites: Sequence[tuple[str, Any]], out_dir: str | P
     if n_videos and raw:
         mode = next(iter(raw))
         write_videos(*raw[mode], out_dir / "videos", n=n_videos)
-        md += [f"Videos of {mode} rollouts in `videos/` (green border: success, red: failure)."]
+        md += [f"Videos of {mode} rollouts in `videos/` (instruction above; green border: success, red: failure)."]
     (out_dir / "vla_eval.md").write_text("\n".join(md) + "\n")
     return record
 

@@ -105,9 +105,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, trai
         torch.save(trainer_state, tmp / "trainer_state.pt")
         files = {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in CHECKPOINT_FILES}
         (tmp / "meta.json").write_text(json.dumps({"step": step, "files": files}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if final.exists():  # the same step again (the final save after the last evaluation): swap by two
+            aside = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=f".old_step_{step:06d}_"))  # renames, not a slow delete
+            os.replace(final, aside / final.name)
+            os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -196,17 +200,29 @@ def find_latest(run_dir: str | Path) -> Path | None:
     return None
 
 
-def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(run directory, checkpoint directory) for `path`: a step_NNNNNN directory (checked whole), or a
-    run directory (its newest whole checkpoint)."""
+def _is_step_dir(path: Path) -> bool:
+    return (path / "meta.json").is_file() or (path / "model.safetensors").is_file()
+
+
+def run_dir_of(path: str | Path) -> Path:
+    """The run directory of `path`: a run directory itself, or the one a step_NNNNNN checkpoint lies
+    in. Reads no weights (`resolve_checkpoint` checks them)."""
     path = Path(path)
-    if (path / "meta.json").is_file() or (path / "model.safetensors").is_file():
-        verify_checkpoint(path)
-        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-        return run_dir, path
+    if _is_step_dir(path):
+        return path.parent.parent if path.parent.name == "checkpoints" else path.parent
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} not found: expected a step_NNNNNN directory or a run "
                               f"directory with checkpoints/")
+    return path
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) for `path`: a step_NNNNNN directory (checked whole), or a
+    run directory (its newest whole checkpoint)."""
+    path, run_dir = Path(path), run_dir_of(path)
+    if _is_step_dir(path):
+        verify_checkpoint(path)
+        return run_dir, path
     latest = find_latest(path)
     if latest is None:
         raise CheckpointError(f"no complete checkpoint under {path / 'checkpoints'}")
@@ -231,6 +247,15 @@ def load_whole_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.o
         state = load_file(str(path / "model.safetensors"))
     except Exception as exc:  # safetensors raises its own error types for a bad header or body
         raise CheckpointError(f"checkpoint file {path / 'model.safetensors'} is damaged: {_first_line(exc)}") from None
+    own = model.state_dict()
+    # A model built from another config than the run's: one line naming a tensor, not torch's list of all.
+    shapes = [(k, list(v.shape), list(own[k].shape)) for k, v in state.items() if k in own and own[k].shape != v.shape]
+    if shapes:
+        key, saved, built = shapes[0]
+        more = f" (and {len(shapes) - 1} more tensors)" if len(shapes) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} does not fit the model built from this config: {key} is {saved} "
+                              f"in the checkpoint, {built} in the model{more}; build it from the config it was "
+                              f"trained with (its run folder's {RUN_CONFIG})")
     result = model.load_state_dict(state, strict=False)
     bad = [k for k in result.missing_keys if not _is_tied(model, k)]
     if bad or result.unexpected_keys:
@@ -292,6 +317,16 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _differences(old: dict[str, Any], new: dict[str, Any], allowed) -> str:
+    """"key: old -> new; ..." for the keys of two nested config dicts that differ and `allowed(key)`
+    does not accept (at most three shown), or "" when there are none."""
+    old, new = _flatten(old), _flatten(new)
+    missing = object()
+    diff = sorted(k for k in old.keys() | new.keys() if not allowed(k) and old.get(k, missing) != new.get(k, missing))
+    shown = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:3])
+    return shown + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
+
+
 def check_same_run(cfg) -> None:
     """Refuse to resume the run in `cfg.train.output_dir` when it was started with a config that
     differs from `cfg` in anything but run length (`RUN_LENGTH_KEYS`): that is another run."""
@@ -301,17 +336,54 @@ def check_same_run(cfg) -> None:
     saved = run_dir / RUN_CONFIG
     if not saved.is_file() or not any((run_dir / "checkpoints").glob("step_*")):
         return
-    old = _flatten(yaml.safe_load(saved.read_text()) or {})
-    new = _flatten(_plain(cfg.to_dict()))
-    missing = object()
-    diff = sorted(k for k in old.keys() | new.keys()
-                  if k not in RUN_LENGTH_KEYS and old.get(k, missing) != new.get(k, missing))
+    diff = _differences(read_run_config(run_dir, fill=False), _plain(cfg.to_dict()), RUN_LENGTH_KEYS.__contains__)
     if diff:
-        shown = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:3])
-        more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
-        raise RunMismatchError(f"{run_dir} holds a run started with another config ({shown}{more}); "
+        raise RunMismatchError(f"{run_dir} holds a run started with another config ({diff}); "
                                f"give this one its own folder (train.output_dir=DIR) or discard that run "
                                f"(--no-resume)")
+
+
+def read_run_config(run_dir: str | Path, fill: bool = True) -> dict[str, Any]:
+    """The resolved config `run_dir` was started with (its config.yaml): as written, or with `fill`
+    checked against this mmrl's keys and every key filled in (not validated: a device it names may
+    be one this machine lacks, which eval may override). A damaged file is one CheckpointError line."""
+    from mmrl.config import ConfigError, RunConfig, _build, read_config_file
+
+    saved = Path(run_dir) / RUN_CONFIG
+    try:
+        data = read_config_file(saved)
+        return _plain(_build(RunConfig, data).to_dict()) if fill else data
+    except ConfigError as exc:
+        raise CheckpointError(f"the run's config cannot be read: {exc} ({saved} is the config {run_dir} was "
+                              f"started with; restore it, or remove it)") from None
+
+
+def eval_config(checkpoint: str | Path, config: str | Path | None = None, overrides: list[str] | None = None):
+    """The config `mmrl eval` evaluates `checkpoint` (a run folder or a checkpoint in one) with: the
+    run folder's own config.yaml, the resolved config the run was started with, with `overrides` on
+    top. A `config` file given as well must agree with the run's on every key the weights were
+    trained with (all but `mmrl.config.is_eval_key`); it is then used, with the overrides, as given.
+    A run folder without config.yaml (written before mmrl kept one) needs `config`."""
+    from mmrl.config import RunMismatchError, apply_overrides, config_from_dict, is_eval_key, load_config
+
+    run_dir = run_dir_of(checkpoint)
+    if not (run_dir / RUN_CONFIG).is_file():
+        if config is None:
+            raise CheckpointError(f"{run_dir} has no {RUN_CONFIG} (the config a run folder is started with); give "
+                                  f"the config it was trained with: mmrl eval CONFIG --checkpoint {checkpoint}")
+        return load_config(config, overrides)
+    run = read_run_config(run_dir)
+    if config is not None:
+        cfg = load_config(config, overrides)
+        diff = _differences(run, _plain(cfg.to_dict()), lambda key: is_eval_key(key, run["task"]["name"]))
+        if diff:
+            raise RunMismatchError(f"{config} is not the config {run_dir} was trained with ({diff}); drop the "
+                                   f"CONFIG argument: `mmrl eval --checkpoint {checkpoint}` evaluates with the run's "
+                                   f"own {RUN_CONFIG} (overrides, e.g. train.eval_size=N, still apply)")
+    else:
+        cfg = config_from_dict(apply_overrides(run, overrides or []))
+    cfg.train.output_dir = str(run_dir)  # the evaluation belongs to the checkpoint's run, wherever it now lies
+    return cfg
 
 
 def write_run_config(cfg) -> None:

@@ -1,4 +1,5 @@
-"""`mmrl train CONFIG [key=value ...]`, `mmrl eval CONFIG --checkpoint DIR`, `mmrl algos`."""
+"""`mmrl train CONFIG [key=value ...]`, `mmrl eval [CONFIG] --checkpoint RUN [key=value ...]`, `mmrl algos`,
+`mmrl fetch-assets libero`."""
 
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ def cmd_train(args) -> int:
 
     if not distributed.current().is_main:  # rank 0 reports for the run
         return 0
-    from mmrl.evals.report import write_report
+    from mmrl.evals.report import headline_text, write_report
 
-    report = write_report(cfg.train.output_dir)
     before, after = results["eval_before"], results["eval_after"]
-    print(f"held-out reward: {before.get('eval/total', float('nan')):.3f} (step {before['step']}) -> "
-          f"{after.get('eval/total', float('nan')):.3f} (step {after['step']})")
-    print(task.summarize(results, cfg.train.output_dir, cpu_s=cpu_s), end="")  # e.g. planning's EM / PR table
+    headline = task.headline(before, after)  # the domain's README metric, e.g. VQA accuracy, VLA success %
+    summary = task.summarize(results, cfg.train.output_dir, cpu_s=cpu_s)  # e.g. planning's EM / PR table by size
+    report = write_report(cfg.train.output_dir, headline, summary)
+    print(headline_text(headline, before["step"], after["step"]), end="")
+    print(summary, end="")
     print(f"results: {Path(cfg.train.output_dir) / 'results.json'}  report: {report}")
     return 0
 
@@ -79,14 +81,24 @@ def launch(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from mmrl.config import load_config
+    from mmrl.checkpoint import eval_config
 
-    cfg = load_config(args.config, args.overrides)
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and ("=" in config or config.startswith("~")) and not Path(config).exists():
+        config, overrides = None, [config, *overrides]  # `eval --checkpoint RUN key=value`: no CONFIG given
+    cfg = eval_config(args.checkpoint, config, overrides)  # the run's own config.yaml, or CONFIG if it agrees
     if args.paper_split:
         cfg.task.params["paper_split"] = args.paper_split
     task, policy = build(cfg)
     written = task.evaluate_checkpoint(cfg, policy, args.checkpoint, output=args.output, splits=args.splits)
     print(f"written: {written}")
+    return 0
+
+
+def cmd_fetch_assets(args) -> int:
+    from mmrl.envs.libero.assets import fetch
+
+    print(fetch(dest=args.dest, source=args.source))
     return 0
 
 
@@ -127,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=1, help="train with N processes on this machine (torchrun; "
                    "one per GPU, or CPU ranks with gloo)")
     p.set_defaults(fn=cmd_train)
-    p = sub.add_parser("eval", help="evaluate a checkpoint on the task's held-out set")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--checkpoint", required=True, help="a step_NNNNNN directory or a run directory")
+    p = sub.add_parser("eval", help="evaluate a checkpoint on the task's held-out set, with its run's own config")
+    p.add_argument("config", nargs="?", help="optional: the run's own config.yaml is used; a CONFIG given must "
+                   "agree with it on everything the weights were trained with")
+    p.add_argument("overrides", nargs="*", help="dotted overrides on top of the run's config, e.g. train.eval_size=8")
+    p.add_argument("--checkpoint", required=True, help="a run directory (its newest checkpoint) or a step_NNNNNN "
+                   "directory in one")
     p.add_argument("--output", help="where to write the JSON result (planning and robot tasks: the report folder)")
     p.add_argument("--splits", nargs="+", help="planning tasks: the splits to evaluate (test, ood, paper; "
                    "default: test ood, and paper when --paper-split is given)")
@@ -139,6 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("algos", help="list every algorithm name with its citation")
     p.set_defaults(fn=cmd_algos)
+    from mmrl.envs.libero.assets import CACHE_HELP, HUB_REPO
+
+    p = sub.add_parser("fetch-assets", help="download simulator assets no pip package ships (LIBERO's), "
+                       "where mmrl finds them (docs/libero.md)")
+    p.add_argument("what", choices=["libero"])
+    p.add_argument("--dest", help=f"folder to put them in (default: {CACHE_HELP}, where mmrl looks when "
+                   f"MMRL_LIBERO_ASSETS is unset)")
+    p.add_argument("--source", default=HUB_REPO, help=f"a Hugging Face dataset id to download (default: {HUB_REPO}, "
+                   f"the copy lerobot's hf-libero uses) or a local folder to copy (a LIBERO checkout's "
+                   f"libero/libero/assets)")
+    p.set_defaults(fn=cmd_fetch_assets)
     sub.add_parser("caption-filter", help="CapRL's with/without-image QA filter (own arguments: -h)")
     sub.add_parser("caption-eval", help="Prism-style caption eval with a before/after gallery (own arguments: -h)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -162,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     # Overrides may come before or after flags (`train CFG --no-resume a.b=1`).
     args, extra = parser.parse_known_args(argv)
-    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    unknown = [x for x in extra if x.startswith("-") or ("=" not in x and not x.startswith("~"))]
     if unknown or (extra and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
     if extra:

@@ -7,6 +7,7 @@ and what is accepted. Overrides use dotted keys: `algo.loss=gspo train.steps=20`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import inspect
@@ -34,7 +35,7 @@ class ModelConfig:
     policy: str = "causal_lm"
     params: dict[str, Any] = field(default_factory=dict)  # adapter-specific settings
     # `tiny`: a Qwen2-architecture model built from `tiny` sizes with a tokenizer trained on the
-    # task's corpus (tests, CPU demo). `pretrained`: `from_pretrained(path)` of a local directory.
+    # task's corpus (tests, CPU demo). `pretrained`: `path`, a local folder or a hub id (mmrl.hub).
     source: Literal["tiny", "pretrained"] = "tiny"
     path: str | None = None
     tiny: dict[str, Any] = field(default_factory=dict)
@@ -304,14 +305,35 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """`["algo.loss=gspo", "train.steps=3"]` -> nested dict; values are parsed as YAML scalars."""
+    """`["algo.loss=gspo", "train.steps=3"]` -> nested dict; values are parsed as YAML scalars
+    (`~key` removals are `apply_overrides`')."""
     data: dict = {}
     for item in items:
+        if item.startswith("~"):
+            continue
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. algo.loss=gspo)")
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. algo.loss=gspo) or ~key "
+                              f"(remove a key)")
         key, raw = item.split("=", 1)
         _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw else "")
     return data
+
+
+def apply_overrides(data: dict, items: list[str]) -> dict:
+    """`data` with the dotted overrides applied in order: `a.b=v` merges in (a mapping key by key, as
+    `base:` does), `~a.b` removes the key, e.g. `~task.params.column_map` to drop a mapping a config set."""
+    out = copy.deepcopy(data)  # the caller's mapping stays as it was
+    for item in items:
+        if not item.startswith("~"):
+            out = _merge(out, parse_overrides([item]))
+            continue
+        keys, node = item[1:].strip().split("."), out
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or keys[-1] not in node:
+            raise ConfigError(f"override {item}: the config has no key {item[1:]!r} to remove")
+        del node[keys[-1]]
+    return out
 
 
 def _merge(base: dict | list, extra: dict, where: str = "") -> dict | list:
@@ -359,6 +381,62 @@ RUN_LENGTH_KEYS = frozenset({
     "train.fsdp", "train.dist_timeout_s",
 })
 
+# Keys `mmrl eval --checkpoint RUN` may take from elsewhere than the run's own config.yaml (a
+# CONFIG argument, overrides): how much is evaluated and where it runs. Every other key is one the
+# weights were trained with (the model, the data and the tokenizer a tiny model trains on the task's
+# corpus, the algorithm): evaluating under another value is evaluating another run.
+EVAL_KEYS = RUN_LENGTH_KEYS | {"train.eval_size", "train.eval_samples", "train.device"}
+# Task parameters that only pick or size held-out data, per task: none of them changes the training
+# split or the corpus a tiny tokenizer is trained on (VQA's eval_path / n_test / ood settings and
+# video's eval_prompts do, so they are not here; nor tabletop's n_eval, drawn from one pool with n_train).
+EVAL_TASK_PARAMS: dict[str, frozenset[str]] = {
+    "planning": frozenset({"paper_split", "ood_sizes"}),
+    "vqa": frozenset({"eval_k", "blank_eval"}),
+    "caption": frozenset({"eval_k", "eval_questions"}),
+    "video": frozenset({"eval_repeats"}),
+    "tabletop": frozenset({"eval_mode", "eval_samples", "eval_grounding", "num_workers", "prefetch_resets"}),
+    "libero": frozenset({"eval_trials", "eval_mode", "eval_samples", "eval_grounding", "num_workers",
+                         "prefetch_resets", "assets_dir"}),
+}
+
+
+def is_eval_key(key: str, task: str) -> bool:
+    """Whether the dotted `key` may differ from a run's config when its checkpoint is evaluated."""
+    prefix = "task.params."
+    if key.startswith(prefix):
+        return key[len(prefix):].split(".", 1)[0] in EVAL_TASK_PARAMS.get(task, frozenset())
+    return key in EVAL_KEYS
+
+
+def check_device(name: Any, key: str, fallback: str = "auto or cpu") -> None:
+    """Refuse a CUDA device this machine cannot see (one line, before anything is built): `key` is
+    the config key that names it, `fallback` the values to suggest instead."""
+    if not isinstance(name, str) or not (name == "cuda" or name.startswith("cuda:")):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key}: {name!r} but no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                          f"use {key}={fallback}")
+    index = name.partition(":")[2]
+    if index and not index.isdigit():
+        raise ConfigError(f"{key}: invalid device {name!r}; valid: cpu, cuda, cuda:N")
+    count = torch.cuda.device_count()
+    if index and int(index) >= count:
+        raise ConfigError(f"{key}: {name!r} but {count} CUDA GPU{'s are' if count > 1 else ' is'} visible here "
+                          f"(cuda:0..cuda:{count - 1}); use {key}=cuda, a visible index, or {key}={fallback}")
+
+
+def _param_devices(params: Any, where: str):
+    """(key, value) of every `device` entry in a params mapping, nested ones included (a judge's or
+    an encoder's own params)."""
+    if isinstance(params, dict):
+        for k, v in params.items():
+            if k == "device":
+                yield f"{where}.device", v
+            else:
+                yield from _param_devices(v, f"{where}.{k}")
+
 
 def default_output_dir(path: str | Path | None, overrides: list[str]) -> str:
     """runs/<config stem>[+key=value...]: the overrides that change the run, sorted, in the name."""
@@ -396,7 +474,7 @@ def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     data = read_config_file(path) if path is not None else {}
-    data = _merge(data, parse_overrides(overrides or []))
+    data = apply_overrides(data, overrides or [])
     train = data.get("train")
     if isinstance(train, dict) and not train.get("output_dir"):
         data["train"] = {**train, "output_dir": default_output_dir(path, overrides or [])}
@@ -461,6 +539,20 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.task.name in task_names(), f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(task_names())}")
     check_params(task_class(cfg.task.name).__init__, cfg.task.params, f"task.params (task {cfg.task.name!r})",
                  skip=1, internal=("seed",))
+    try:  # the task's own checks of values that do not fit together (e.g. a parameter its source ignores)
+        getattr(task_class(cfg.task.name), "check_params", lambda params: None)(cfg.task.params)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    # Devices before anything is built: a reward or judge loads its model onto its device when built.
+    t = cfg.train
+    _check(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
+           f"train.device: invalid value {t.device!r}; valid: auto, cpu, cuda, cuda:N")
+    check_device(t.device, "train.device")
+    named = [*_param_devices(cfg.model.params, "model.params"), *_param_devices(cfg.task.params, "task.params")]
+    for i, r in enumerate(cfg.rewards):
+        named += _param_devices(r.params, f"rewards.{i}.params")
+    for key, value in named:
+        check_device(value, key, fallback="cpu")  # these are handed to torch as they are: no "auto"
     _check(len(cfg.rewards) > 0, "rewards: at least one reward is needed")
     for i, r in enumerate(cfg.rewards):
         _check(r.name in REWARDS, f"rewards[{i}].name: unknown reward {r.name!r}; valid: {', '.join(sorted(REWARDS))}")
@@ -487,8 +579,6 @@ def validate(cfg: RunConfig) -> None:
     _check(t.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0, got {t.micro_batch_size}")
     _check(t.unit_chunk >= 0, f"train.unit_chunk must be >= 0 (0 = all units in one pass), got {t.unit_chunk}")
     _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
-    _check(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
-           f"train.device: invalid value {t.device!r}; valid: auto, cpu, cuda, cuda:N")
     _check(len(t.betas) == 2, f"train.betas must be two numbers, got {t.betas}")
     _check(t.dist_timeout_s > 0, f"train.dist_timeout_s must be > 0, got {t.dist_timeout_s}")
     if t.fsdp:  # FSDP needs the same forwards on every rank; these take a rank-dependent number
@@ -539,6 +629,12 @@ def validate(cfg: RunConfig) -> None:
         _check(len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1] <= 1,
                f"algo.success_filter must be [low, high] with 0 <= low <= high <= 1, got {lo_hi}")
     _check(cfg.model.source != "pretrained" or bool(cfg.model.path),
-           "model.path: a local directory is required when model.source is 'pretrained'")
-    if cfg.model.source == "pretrained" and not Path(cfg.model.path).is_dir():
-        raise ConfigError(f"model.path: checkpoint directory not found: {cfg.model.path}")
+           "model.path: a local folder or a hub id (owner/name) is required when model.source is 'pretrained'")
+    if cfg.model.source == "pretrained":  # a hub id is fetched when the model is built (mmrl.hub)
+        from mmrl.hub import is_hub_id
+
+        path = Path(cfg.model.path).expanduser()
+        _check(path.is_dir() or (not path.exists() and is_hub_id(cfg.model.path)),
+               f"model.path: {cfg.model.path!r} is not a model folder" + (" (it is a file)" if path.is_file() else
+                                                                          " (not found) nor a hub id (owner/name)")
+               + "; accepted: a local folder saved by save_pretrained, or a Hugging Face model id")

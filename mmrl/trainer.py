@@ -770,8 +770,26 @@ class Trainer:
             say(f"resuming from {at} ({resumed_from})")
         else:
             self.log.reset()
+            self.announce()
         with self.stop:
             return self._train_loop()
+
+    def announce(self) -> None:
+        """Say, when a run starts, what it learns from: the data, and whether SFT or RL comes first
+        from which weights (a mistake in either shows here, not after an hour of training)."""
+        if not self.dist.is_main:
+            return
+        data = getattr(self.task, "data_summary", lambda: "")()  # hooks of TaskBase; a bare task may lack them
+        if data:
+            say(f"data: {data}")
+        m = self.cfg.model
+        start = f"model.path {m.path}" if m.source == "pretrained" else "a model built from scratch (model.source: tiny)"
+        if self.cfg.sft.steps > 0:
+            targets = getattr(self.task, "sft_targets", lambda: "the task's expert targets")()
+            say(f"SFT: {self.cfg.sft.steps} steps on {targets}, starting from {start}; then {self.cfg.train.steps} RL steps")
+        else:
+            say(f"no SFT (sft.steps: 0): {self.cfg.train.steps} RL steps starting from {start}"
+                + (": random weights rarely earn a reward to learn from" if m.source == "tiny" else ""))
 
     def _train_loop(self) -> dict[str, Any]:
         t = self.cfg.train
@@ -786,7 +804,7 @@ class Trainer:
             self.step += 1
             if self.step % t.log_every == 0:
                 self.log.log(metrics, step=self.step)
-            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:  # the last: after the save
                 self.eval_history.append(self.evaluate())
                 self.log.log(self.eval_history[-1], step=self.step)
             if hasattr(bar, "set_postfix"):
@@ -798,23 +816,36 @@ class Trainer:
                 self.save()
             if self.stop_requested() and self.step < t.steps:
                 self._stop_here(f"at step {self.step} of {t.steps}")
-        if not self.eval_history or self.eval_history[-1]["step"] != self.step:
-            self.eval_history.append(self.evaluate())
+        # Training is done: checkpoint and weights go to disk before the final evaluation (long, and it
+        # drives env workers), so a crash there loses no training and the same command then only
+        # evaluates. results.json comes last, when everything it names is on disk.
         ckpt = self.save()
         with distributed.consolidated(self.dist, self.policy.model):  # the export one process would write
             if self.dist.is_main:
                 self.policy.save(self.out_dir / "final")
         distributed.barrier(self.dist)
+        if not self.eval_history or self.eval_history[-1]["step"] != self.step:
+            self.eval_history.append(self.evaluate())
+            if t.eval_every:
+                self.log.log(self.eval_history[-1], step=self.step)
+            # Saved again with the evaluation in its eval_history, as a longer train.steps resumes it.
+            ckpt = self.save()
+        # Facts the results should carry, e.g. env worker restarts (a task hook; this rank's task).
+        health = getattr(self.task, "run_health", dict)()
         results = {
             "eval_before": self.eval_history[0],
             "eval_after": self.eval_history[-1],
             "eval_history": self.eval_history,
             "checkpoint": str(ckpt),
             "config": self.cfg.to_dict(),
+            **({"run_health": health} if health else {}),
         }
         if self.dist.is_main:
             atomic_write_text(self.out_dir / "results.json", json.dumps(results, indent=2))
         self.log.close()
+        if self.dist.is_main:
+            for note in health.get("notes", []):
+                say(f"note: {note}")
         return results
 
 

@@ -21,6 +21,12 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; assert sys.ve
   rm -rf .venv
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[${EXTRAS}]" 2>&1 | grep -v "^WARNING: Location" || true
+# pip's and setuptools' chatter (an editable-install notice, registry mirror warnings) goes to a
+# log; it is shown only if the install fails.
+log=.venv/install.log
+if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"; } >"$log" 2>&1; then
+  cat "$log" >&2
+  echo "setup: pip install failed (log above, kept in $log)" >&2
+  exit 1
+fi
 .venv/bin/python -c "import mmrl, torch, transformers; print('mmrl ready: torch', torch.__version__, 'transformers', transformers.__version__)"

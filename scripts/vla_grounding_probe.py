@@ -48,7 +48,7 @@ def token_stats(policy, frames, shuffle: bool, seed: int = 0) -> tuple[float, li
 
 def main() -> None:
     cfg = load_config(sys.argv[1], ["task.params.num_workers=0", "train.progress=false", "train.eval_every=0",
-                                    "train.output_dir=/tmp/mmrl_probe", *sys.argv[2:]])
+                                    "train.output_dir=runs/grounding_probe", *sys.argv[2:]])
     t0, c0 = time.time(), time.process_time()
     task, policy = build(cfg)
     trainer = Trainer(cfg, policy, task)

@@ -43,8 +43,9 @@ def local_inputs(tmp_path_factory):
             made["qwen_vl"] = str(root / "qwen_vl")
         return made["qwen_vl"]
 
-    def geometry3k_parquet() -> str:
-        """A few records in EasyR1's geometry3k layout: images [{"bytes"}], problem with <image>, answer."""
+    def geometry3k_folder() -> str:
+        """A few records in EasyR1's geometry3k layout (images [{"bytes"}], problem with <image>, answer),
+        as its hub snapshot holds them: data/train-00000-of-00001.parquet and data/test-..."""
         if "geometry3k" not in made:
             import io
 
@@ -58,13 +59,24 @@ def local_inputs(tmp_path_factory):
                 Image.fromarray(a).save(buf, format="PNG")
                 return buf.getvalue()
 
-            rows = generate(8, 3, categories=("geometry",), difficulties=(1,), image_size=56)
-            datasets.Dataset.from_dict({
-                "images": [[{"bytes": png(r["images"][0]), "path": None}] for r in rows],
-                "problem": [r["problem"] for r in rows], "answer": [r["answer"] for r in rows],
-            }).to_parquet(root / "geometry3k.parquet")
-            made["geometry3k"] = str(root / "geometry3k.parquet")
+            (root / "geometry3k" / "data").mkdir(parents=True)
+            for split, seed in (("train", 3), ("test", 4)):
+                rows = generate(8, seed, categories=("geometry",), difficulties=(1,), image_size=56)
+                datasets.Dataset.from_dict({
+                    "images": [[{"bytes": png(r["images"][0]), "path": None}] for r in rows],
+                    "problem": [r["problem"] for r in rows], "answer": [r["answer"] for r in rows],
+                }).to_parquet(root / "geometry3k" / "data" / f"{split}-00000-of-00001.parquet")
+            made["geometry3k"] = str(root / "geometry3k")
         return made["geometry3k"]
+
+    def your_vqa_files() -> str:
+        """configs/vqa_your_data.yaml's input: scripts/make_vqa_files.py's layout, a few records."""
+        if "your_vqa" not in made:
+            from mmrl.envs.vqa.export import write_synthetic
+
+            write_synthetic(root / "my_vqa", "jsonl", n_train=16, n_test=4)
+            made["your_vqa"] = str(root / "my_vqa")
+        return made["your_vqa"]
 
     def tiny_video() -> str:
         """A diffusers-Wan-pipeline-like folder: a tiny causal Wan on a tiny AutoencoderKLWan's latents."""
@@ -115,10 +127,60 @@ def local_inputs(tmp_path_factory):
         for i, r in enumerate(raw.get("rewards", [])):
             if r.get("name") == "clip_score":
                 out += [f"rewards.{i}.params.path={tiny_clip()}", f"rewards.{i}.params.device=cpu"]
-        if task.get("name") == "vqa" and task.get("params", {}).get("source") == "files":
-            data = geometry3k_parquet()
-            out += [f"task.params.data_path={data}", f"task.params.eval_path={data}",
-                    "task.params.min_pixels=3136", "task.params.max_pixels=12544"]
+        if task.get("name") == "vqa" and task.get("params", {}).get("column_map"):
+            out += [f"task.params.data_path={your_vqa_files()}"]  # the demo's files, as its script writes them
+        elif task.get("name") == "vqa" and task.get("params", {}).get("source") == "files":
+            out += [f"task.params.data_path={geometry3k_folder()}", "task.params.min_pixels=3136",
+                    "task.params.max_pixels=12544"]
         return out
 
     return overrides
+
+
+# Inputs some tests read from the workplace folder beside the checkout (`../shared`, or MMRL_SHARED):
+# large or licensed files no fresh clone has. A test asks for one through `shared_input`, which skips
+# it with the reason when the file is absent, so a user's run of the suite says what it did not check.
+SHARED_INPUTS = {
+    "vprl": "the VPRL paper's test-split metadata (vprl_*_test_meta.json)",
+    "libero/assets": "LIBERO's scene and object assets (docs/libero.md says where they come from)",
+}
+
+
+def shared_dir() -> "Path":
+    from pathlib import Path
+
+    return Path(os.environ.get("MMRL_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+
+
+# LIBERO's assets are in no package (docs/libero.md): the tests take them from MMRL_LIBERO_ASSETS,
+# else from the shared folder's copy (set here, so that env worker processes inherit it; mmrl itself
+# never looks there). Tests that need them ask for the `libero_assets` fixture, which skips without them.
+if not os.environ.get("MMRL_LIBERO_ASSETS") and (shared_dir() / "libero" / "assets" / "scenes").is_dir():
+    os.environ["MMRL_LIBERO_ASSETS"] = str(shared_dir() / "libero" / "assets")
+
+
+@pytest.fixture(scope="session")
+def shared_input():
+    """`shared_input(name)` -> the path of a `SHARED_INPUTS` entry, or a skip naming what is missing."""
+    def get(name: str):
+        path = shared_dir() / name
+        if not path.exists():
+            pytest.skip(f"needs {SHARED_INPUTS[name]}: {name} is not in {shared_dir()} (set MMRL_SHARED)")
+        return path
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def libero_assets(shared_input):
+    """The LIBERO assets folder the tests use: MMRL_LIBERO_ASSETS when set (a user's copy, or the
+    shared folder's, see above), else the test is skipped with the reason."""
+    from mmrl.envs.libero.assets import default_assets_dir, missing_parts
+
+    if not os.environ.get("MMRL_LIBERO_ASSETS"):
+        shared_input("libero/assets")  # skips, saying what is missing
+    path = default_assets_dir()
+    if missing_parts(path):
+        pytest.skip(f"LIBERO assets are not at {path}: set MMRL_LIBERO_ASSETS=DIR or run `mmrl fetch-assets "
+                    f"libero` (docs/libero.md)")
+    return path

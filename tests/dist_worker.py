@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ from mmrl.policies import build_policy  # noqa: E402
 from mmrl.rewards import REWARDS, register_reward  # noqa: E402
 from mmrl.rollout import Rollout  # noqa: E402
 from mmrl.trainer import Trainer  # noqa: E402
+
+UNUSED_DIR = str(Path(tempfile.gettempdir()) / "mmrl_dist_unused")  # these trainers never write a run
 
 if "test_digit_share_odd_answers" not in REWARDS:
 
@@ -78,7 +81,7 @@ def equivalence(out_json: str) -> None:
     variants += [dict(agg="seq-mean-token-mean", fsdp=True, micro=0, beta=0.1)]
     results = []
     for v in variants:
-        cfg = make_cfg("/tmp/mmrl_dist_unused", **v)
+        cfg = make_cfg(UNUSED_DIR, **v)
         d = distributed.current(cfg.train.fsdp)
         trainer = build(cfg, d)
         batches: list[Rollout] = []
@@ -98,7 +101,7 @@ def equivalence(out_json: str) -> None:
         every: list[list[Rollout]] = [[] for _ in range(d.world)]
         dist.all_gather_object(every, batches)
         if d.is_main:
-            single = build(make_cfg("/tmp/mmrl_dist_unused", **{**v, "fsdp": False}), distributed.SINGLE)
+            single = build(make_cfg(UNUSED_DIR, **{**v, "fsdp": False}), distributed.SINGLE)
             rows = []
             for step in range(cfg.train.steps):
                 parts = [every[r][step] for r in range(d.world) if len(every[r][step])]
@@ -108,7 +111,7 @@ def equivalence(out_json: str) -> None:
             ref = {k: v.detach() for k, v in single.policy.model.state_dict().items()}
             diff = max((weights[k] - ref[k]).abs().max().item() for k in ref)
             moved = max((ref[k] - w).abs().max().item() for k, w in full_weights(build(
-                make_cfg("/tmp/mmrl_dist_unused", **{**v, "fsdp": False}), distributed.SINGLE)).items())
+                make_cfg(UNUSED_DIR, **{**v, "fsdp": False}), distributed.SINGLE)).items())
             # the ranks' first-step prompts: disjoint, and together one process's draw of their total
             prompts = [[c["prompt"] for c in every[r][0].contexts[:: cfg.sampling.group_size]] for r in range(d.world)]
             one = make_task(cfg.task.name, seed=cfg.train.seed, **cfg.task.params).next_batch(sum(map(len, prompts)))

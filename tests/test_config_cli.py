@@ -36,7 +36,7 @@ def test_defaults_and_overrides(tmp_path):
     (["sampling.top_p=1.5"], "sampling.top_p must be in (0, 1]"),
     (["algo.prompt_replay=1.5"], "algo.prompt_replay must be in [0, 1] (0 = off), got 1.5"),
     (["algo.guide_below=0.5", "algo.guide_coef=0"], "algo.guide_coef must be > 0, got 0"),
-    (["model.source=pretrained", "model.path=/does/not/exist"], "checkpoint directory not found"),
+    (["model.source=pretrained", "model.path=/does/not/exist"], "'/does/not/exist' is not a model folder (not found)"),
     (["trainsteps"], "not of the form key=value"),
     (["sft.lr=-1e-3"], "sft.lr must be > 0, got -0.001"),
     (["sft.batch_size=0"], "sft.batch_size must be >= 1"),
@@ -91,6 +91,18 @@ def test_cli_lists_algorithms_with_citations(capsys):
 
 def test_parse_overrides_nests():
     assert parse_overrides(["a.b.c=1", "a.d=x"]) == {"a": {"b": {"c": 1}, "d": "x"}}
+
+
+def test_a_tilde_override_removes_a_key_a_mapping_override_merges():
+    base = load_config("configs/vqa_your_data.yaml").task.params["column_map"]
+    merged = load_config("configs/vqa_your_data.yaml", ["task.params.column_map={problem: q}"]).task.params
+    assert merged["column_map"] == {**base, "problem": "q"}  # a mapping merges key by key
+    removed = load_config("configs/vqa_your_data.yaml", ["~task.params.column_map"]).task.params
+    assert "column_map" not in removed and removed["data_path"] == "data/my_vqa"
+    replaced = load_config("configs/vqa_your_data.yaml", ["~task.params.column_map", "task.params.column_map={problem: q}"])
+    assert replaced.task.params["column_map"] == {"problem": "q"}  # removal, then the new mapping
+    with pytest.raises(ConfigError, match=r"override ~task.params.colmn_map: the config has no key 'task.params.colmn_map'"):
+        load_config("configs/vqa_your_data.yaml", ["~task.params.colmn_map"])
 
 
 def test_cli_train_then_eval_round_trip(tmp_path, capsys):

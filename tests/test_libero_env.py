@@ -10,24 +10,21 @@ torch.set_num_threads(1)
 
 pytest.importorskip("libero", reason="hf-libero is not installed (pip install 'mmrl[libero]')")
 
-from mmrl.envs.libero.env import LiberoEnv, configure_libero, default_assets_dir, suite_name  # noqa: E402
-
-ASSETS = default_assets_dir()
-needs_assets = pytest.mark.skipif(not (ASSETS / "scenes").is_dir(),
-                                  reason=f"LIBERO assets dir {ASSETS} is absent (set MMRL_LIBERO_ASSETS)")
+from mmrl.envs.libero.env import LiberoEnv, configure_libero, suite_name  # noqa: E402
 
 
 def test_suite_names_and_missing_assets_are_clear(tmp_path):
     assert suite_name("spatial") == "libero_spatial" and suite_name("long") == "libero_10"
     with pytest.raises(ValueError, match="valid: .*libero_goal"):
         suite_name("libero_100")
-    with pytest.raises(FileNotFoundError, match="not downloaded"):
+    # The error says where the assets come from (the hub dataset, LIBERO's repository) and how to point at them.
+    with pytest.raises(FileNotFoundError, match=r"nowhere \(assets_dir\) does not exist\. .*mmrl fetch-assets libero"
+                       r".*lerobot/libero-assets.*MMRL_LIBERO_ASSETS=DIR.*Lifelong-Robot-Learning/LIBERO"):
         configure_libero(tmp_path / "nowhere")
 
 
-@needs_assets
-def test_spatial_task0_official_init_state_and_a_few_steps():
-    env = LiberoEnv("libero_spatial", task_id=0, image_size=128, settle_steps=2)
+def test_spatial_task0_official_init_state_and_a_few_steps(libero_assets):
+    env = LiberoEnv("libero_spatial", task_id=0, image_size=128, settle_steps=2, assets_dir=libero_assets)
     try:
         assert env.instruction == "pick up the black bowl between the plate and the ramekin and place it on the plate"
         assert env.num_init_states == 50 and env.max_episode_steps == 220
@@ -54,8 +51,7 @@ def test_spatial_task0_official_init_state_and_a_few_steps():
         env.close()
 
 
-@needs_assets
-def test_vla_eval_on_libero_writes_the_per_task_and_suite_table_and_videos(tmp_path):
+def test_vla_eval_on_libero_writes_the_per_task_and_suite_table_and_videos(tmp_path, libero_assets):
     """`python -m mmrl.evals.vla_eval` on the LIBERO config, as SimpleVLA-RL / SRPO tabulate it: a
     few episodes (2 tasks x 1 official initial state, 2 chunks each) of an untrained tiny policy."""
     import json
@@ -68,6 +64,7 @@ def test_vla_eval_on_libero_writes_the_per_task_and_suite_table_and_videos(tmp_p
                "mrope_section: [8, 4, 4]}", "model.params.max_chunks=2", "model.params.max_image_tokens=4",
                "task.params.image_size=64", "task.params.num_workers=0", "task.params.task_ids=[0, 1]",
                "train.device=cpu", "train.bf16=false", f"train.output_dir={tmp_path / 'run'}",
+               f"task.params.assets_dir={libero_assets}",
                "--suite", "spatial", "--trials", "1", "--videos", "2", "--out", str(out)])
     assert rc == 0
     record = json.loads((out / "vla_eval.json").read_text())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,11 +44,12 @@ if "torch" in sys.modules:  # keep any torch pulled in by mmrl imports to one th
     sys.modules["torch"].set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-PAPER_DIR = Path(os.environ.get("VPRL_META_DIR", REPO.parent / "shared" / "vprl"))
-if not PAPER_DIR.exists():
-    PAPER_DIR = Path("/work/shared/vprl")
-needs_paper = pytest.mark.skipif(not PAPER_DIR.exists(),
-                                 reason=f"VPRL paper test metadata not found at {PAPER_DIR} (../shared/vprl)")
+
+
+@pytest.fixture
+def paper_dir(shared_input) -> Path:
+    """The VPRL paper's test-split metadata (../shared/vprl): skipped with the reason where it is absent."""
+    return shared_input("vprl")
 
 SIZES = {"frozenlake": [3, 4, 5, 6, 7, 9], "maze": [3, 4, 5, 6, 7, 9], "minibehavior": [5, 6]}
 TASK_SIZES = [(t, s) for t, sizes in SIZES.items() for s in sizes]
@@ -463,10 +463,9 @@ def test_parse_batch_matches_per_frame_loop_mixed_sizes() -> None:
 # ----------------------------------------------------------------------------- paper split
 
 
-@needs_paper
 @pytest.mark.parametrize("task,n,levels", [("frozenlake", 1000, {3, 4, 5, 6}), ("minibehavior", 403, {5, 6})])
-def test_paper_split_bfs_matches_reference_lengths(task: str, n: int, levels: set) -> None:
-    sp = load_paper_test_split(PAPER_DIR, task)
+def test_paper_split_bfs_matches_reference_lengths(paper_dir: Path, task: str, n: int, levels: set) -> None:
+    sp = load_paper_test_split(paper_dir, task)
     assert len(sp) == n and set(sp.levels.tolist()) == levels
     for lay, plan, level in zip(sp.layouts, sp.plans, sp.levels):
         assert lay.level == level
@@ -476,20 +475,18 @@ def test_paper_split_bfs_matches_reference_lengths(task: str, n: int, levels: se
         assert is_optimal_plan(plan, lay)
 
 
-@needs_paper
-def test_paper_frozenlake_distance_maps_agree() -> None:
-    records = json.loads((PAPER_DIR / "vprl_frozenlake_test_meta.json").read_text())
-    sp = load_paper_test_split(PAPER_DIR / "vprl_frozenlake_test_meta.json", "frozenlake")
+def test_paper_frozenlake_distance_maps_agree(paper_dir: Path) -> None:
+    records = json.loads((paper_dir / "vprl_frozenlake_test_meta.json").read_text())
+    sp = load_paper_test_split(paper_dir / "vprl_frozenlake_test_meta.json", "frozenlake")
     for rec, lay in zip(records, sp.layouts):
         level = rec["level"]
         for cell, d in rec["distance_map"].items():
             assert lay.distance[0][divmod(int(cell), level)] == d
 
 
-@needs_paper
-def test_paper_split_loader_errors(tmp_path: Path) -> None:
+def test_paper_split_loader_errors(paper_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="covers frozenlake, minibehavior"):
-        load_paper_test_split(PAPER_DIR, "maze")
+        load_paper_test_split(paper_dir, "maze")
     with pytest.raises(FileNotFoundError):
         load_paper_test_split(tmp_path, "frozenlake")
     bad = tmp_path / "bad.json"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -33,12 +32,12 @@ from mmrl.rewards.planning import (
 if "torch" in sys.modules:  # keep any torch pulled in by mmrl imports to one thread
     sys.modules["torch"].set_num_threads(1)
 
-REPO = Path(__file__).resolve().parents[1]
-PAPER_DIR = Path(os.environ.get("VPRL_META_DIR", REPO.parent / "shared" / "vprl"))
-if not PAPER_DIR.exists():
-    PAPER_DIR = Path("/work/shared/vprl")
-needs_paper = pytest.mark.skipif(not PAPER_DIR.exists(),
-                                 reason=f"VPRL paper test metadata not found at {PAPER_DIR} (../shared/vprl)")
+
+
+@pytest.fixture
+def paper_dir(shared_input) -> Path:
+    """The VPRL paper's test-split metadata (../shared/vprl): skipped with the reason where it is absent."""
+    return shared_input("vprl")
 
 FL = frozenlake.from_text(["SFH", "FFF", "HFG"])  # dist: (0,0)=4, (0,1)=3, (1,1)=2, (1,2)=1
 FL_CUT = frozenlake.from_text(["SFH", "HHF", "FFG"])  # the start's region cannot reach the goal
@@ -201,10 +200,9 @@ def test_metrics_minibehavior_and_levels() -> None:
     assert by_task["minibehavior"]["success_rate"] == 1.0 and by_task["frozenlake"]["n"] == 2
 
 
-@needs_paper
 @pytest.mark.parametrize("task", ["frozenlake", "minibehavior"])
-def test_paper_reference_plans_score_perfectly(task: str) -> None:
-    sp = load_paper_test_split(PAPER_DIR, task)
+def test_paper_reference_plans_score_perfectly(paper_dir: Path, task: str) -> None:
+    sp = load_paper_test_split(paper_dir, task)
     m = evaluate_plans(sp.plans, sp.layouts)
     assert m["n"] == len(sp) and m["exact_match"] == 1.0 and m["progress_rate"] == 1.0
     assert m["success_rate"] == 1.0 and m["n_failed"] == 0

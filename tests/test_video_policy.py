@@ -234,7 +234,7 @@ def test_a_kvpo_step_trains_on_branches_against_their_anchor(tmp_path):
     (["task.params.prompt_file={missing}"], "prompt_file: {missing} does not exist"),
     (["task.params.prompt_file={short}"], "has 2 prompts; need more than eval_prompts=8"),
     (["rewards=[{{name: video_color}}]"], "unknown reward 'video_color'; valid: "),
-    (["model.source=pretrained", "model.path={missing}"], "checkpoint directory not found: {missing}"),
+    (["model.source=pretrained", "model.path={missing}"], "model.path: '{missing}' is not a model folder (not found)"),
     (["model.source=pretrained", "model.path={empty}"], "model.path {empty} has no transformer/ folder"),
 ])
 def test_bad_video_runs_end_with_one_line(tmp_path, capsys, overrides, message):

@@ -443,14 +443,10 @@ def test_missing_paper_split_folder_errors_only_when_used(tmp_path):
         task.paper_split()
 
 
-def test_paper_split_evaluation(built):
+def test_paper_split_evaluation(built, shared_input):
     """The paper's own FrozenLake test split (from ../shared/vprl), when it is there: an evaluation
     input only (the training split is the same without it) whose overlap with training is reported."""
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "shared" / "vprl"
-    if not (path / "vprl_frozenlake_test_meta.json").is_file():
-        pytest.skip(f"paper test metadata not found in {path}")
+    path = shared_input("vprl")
     _, _, policy = built
     kwargs = dict(seed=0, env="frozenlake", sizes=[3, 4], n_train=200, n_test=4)
     paper = make_task("planning", paper_split=str(path), **kwargs)

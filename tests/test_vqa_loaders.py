@@ -61,19 +61,20 @@ def test_jsonl_with_column_map_paths_and_options(tmp_path):
     save_png(tmp_path / "imgs" / "b.png", GREEN)
     f = write_jsonl(tmp_path / "qa.jsonl", [
         {"qid": "q1", "question": "How many?", "image": "imgs/a.png", "label": 3, "level": 2,
-         "steps": ["count", "add"], "box": "[0, 1, 2, 3]"},
+         "steps": ["count", "add"], "box": "[0, 1, 2, 3]", "why": " three red ones "},
         {"qid": "q2", "question": "Which colour?", "image": str(tmp_path / "imgs" / "b.png"), "label": "green",
          "choices": '["red", "green"]', "topic": "colour"},
     ])
     recs = load_records(f, column_map={"id": "qid", "problem": "question", "images": "image", "answer": "label",
                                        "options": "choices", "difficulty": "level", "key_steps": "steps",
-                                       "bbox": "box", "category": "topic"})
+                                       "bbox": "box", "category": "topic", "solution": "why"})
     assert recs == [
         {"id": "q1", "images": [str(tmp_path / "imgs" / "a.png")], "problem": "<image>How many?", "answer": "3",
-         "options": None, "category": "qa", "difficulty": 2, "key_steps": ["count", "add"],
+         "options": None, "solution": "three red ones", "category": "qa", "difficulty": 2, "key_steps": ["count", "add"],
          "bbox": [0.0, 1.0, 2.0, 3.0]},
         {"id": "q2", "images": [str(tmp_path / "imgs" / "b.png")], "problem": "<image>Which colour?",
-         "answer": "B", "options": ["red", "green"], "category": "colour", "difficulty": None, "key_steps": None,
+         "answer": "B", "options": ["red", "green"], "solution": None, "category": "colour", "difficulty": None,
+         "key_steps": None,
          "bbox": None},
     ]
 
@@ -142,7 +143,7 @@ def test_folder_splits_and_running_ids(tmp_path):
     write_parquet(tmp_path / "hub" / "data" / "test-00000-of-00001.parquet", rows("test"))
     recs = load_records(tmp_path / "hub", split="test")
     assert [(r["id"], r["problem"]) for r in recs] == [("0", "<image>test a"), ("1", "<image>test b")]
-    with pytest.raises(ValueError, match=r"several splits \['test', 'train'\]; pass split="):
+    with pytest.raises(ValueError, match=r"several splits \['test', 'train'\]; pick one with split"):
         load_records(tmp_path / "hub")
     with pytest.raises(ValueError, match=r"no split 'dev'; the folder's splits are \['test', 'train'\]"):
         load_records(tmp_path / "hub", split="dev")
@@ -200,14 +201,14 @@ def test_bytes_and_path_errors(tmp_path):
     with pytest.raises(ValueError, match=re.escape(str(f)) + r" record 0 \(id '0'\): image 0: 7 bytes that PIL "
                                                              r"cannot read as an image"):
         load_records(f)
-    (tmp_path / "t.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match=r"t.csv: unknown data file type '.csv'; accepted: a folder of .parquet"):
-        load_records(tmp_path / "t.csv")
-    with pytest.raises(FileNotFoundError, match=r"missing: no such file or folder; accepted: a folder of"):
+    (tmp_path / "t.tsv").write_text("a\tb\n")
+    with pytest.raises(ValueError, match=r"t.tsv: unknown data file type '.tsv'; accepted: a .parquet / .json"):
+        load_records(tmp_path / "t.tsv")
+    with pytest.raises(FileNotFoundError, match=r"missing: no such file or folder; accepted: a .parquet"):
         load_records(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("x")
-    with pytest.raises(ValueError, match=r"empty: folder holds no .parquet / .json / .jsonl files"):
+    with pytest.raises(ValueError, match=r"empty: folder holds no .parquet / .json / .jsonl / .csv files"):
         load_records(tmp_path / "empty")
     with pytest.raises(ValueError, match=r"split='train' picks files in a folder, but this is one file"):
         load_records(f, split="train")

@@ -113,7 +113,7 @@ def test_train_then_eval_writes_the_report_and_the_page(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "configs/vqa_grpo.yaml", *SMALL, "sft.steps=2", "train.steps=1", "train.eval_every=1",
                  f"train.output_dir={run}"]) == 0
-    assert main(["eval", "configs/vqa_grpo.yaml", *SMALL, f"train.output_dir={run}", "--checkpoint", str(run)]) == 0
+    assert main(["eval", "configs/vqa_grpo.yaml", *SMALL, "sft.steps=2", "--checkpoint", str(run)]) == 0
     report = json.loads((run / "eval" / "vqa_eval.json").read_text())
     m = report["metrics"]
     assert report["step"] == 1 and report["n_test"] == 4
@@ -139,7 +139,7 @@ def test_bad_data_files_are_one_line(tmp_path, capsys, rows, fragment):
     (tmp_path / "broken.png").write_bytes(b"not a png")
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows * 3))
-    code = main(["train", "configs/vqa_grpo.yaml", "task.params.source=files", f"task.params.data_path={data}",
+    code = main(["train", "configs/vqa_your_data.yaml", "~task.params.column_map", f"task.params.data_path={data}",
                  "task.params.n_test=1", f"train.output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and fragment in err[0], err

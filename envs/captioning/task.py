@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 from mmrl.envs import TaskBase, register_task
+from mmrl.envs.base import Headline, headline_rows
 
 from .data import load_qa_dataset
 from .scenes import (
@@ -174,3 +175,10 @@ class CaptionTask(TaskBase):
         metrics, _ = evaluate_captioner(policy, self.eval_batch(n), self.judge, k=self.eval_k,
                                         max_questions=self.eval_questions or None)
         return metrics
+
+    def headline(self, before: dict[str, Any], after: dict[str, Any]) -> list[Headline]:
+        """The judge's held-out accuracy from the captions: the mean over k sampled captions and the
+        greedy caption's (README's rows)."""
+        return headline_rows(before, after, [
+            (f"judge accuracy, mean of {self.eval_k} sampled captions", "eval/caption_acc_mean", ".3f"),
+            ("judge accuracy, greedy caption", "eval/caption_acc_greedy", ".3f")])

@@ -12,7 +12,8 @@ Action: 7-D OSC_POSE delta (3 pos, 3 rot, gripper -1 open / +1 close), as in the
 Offline use: importing `libero.libero` without a config asks questions on stdin,
 and asset lookups fall back to a hub download. `configure_libero()` writes a config into a temp dir
 and points `LIBERO_CONFIG_PATH` at it before the first import, and pins the asset directory
-(`MMRL_LIBERO_ASSETS`, else `<repo>/../shared/libero/assets`). Nothing is ever downloaded.
+(`assets_dir`, else `MMRL_LIBERO_ASSETS`, else the cache folder `mmrl fetch-assets libero` fills;
+`mmrl.envs.libero.assets`, docs/libero.md). Nothing is downloaded here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mmrl.envs.libero.assets import ASSETS_ENV_VAR, default_assets_dir, find_assets  # noqa: F401 (re-exported)
 from mmrl.envs.tabletop.gl import close_at_exit, select_gl_backend
 
 select_gl_backend()  # robosuite imports mujoco and reads MUJOCO_GL then
@@ -38,16 +40,8 @@ SUITES: dict[str, str] = {"spatial": "libero_spatial", "object": "libero_object"
 MAX_EPISODE_STEPS: dict[str, int] = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300, "libero_10": 520}
 CAMERAS: dict[str, str] = {"agentview": "agentview", "wrist": "robot0_eye_in_hand"}  # ours -> robosuite's
 DUMMY_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], np.float32)  # hold still, gripper open
-ASSETS_ENV_VAR = "MMRL_LIBERO_ASSETS"
 
 _configured_assets: Path | None = None
-
-
-def default_assets_dir() -> Path:
-    """`$MMRL_LIBERO_ASSETS`, else `../shared/libero/assets` relative to the repo root."""
-    if os.environ.get(ASSETS_ENV_VAR):
-        return Path(os.environ[ASSETS_ENV_VAR])
-    return Path(__file__).resolve().parents[2].parent / "shared" / "libero" / "assets"
 
 
 def suite_name(suite: str) -> str:
@@ -62,10 +56,7 @@ def suite_name(suite: str) -> str:
 def configure_libero(assets_dir: str | Path | None = None) -> Path:
     """Make `libero.libero` importable offline and point it at `assets_dir`; returns that dir."""
     global _configured_assets
-    assets = Path(assets_dir) if assets_dir is not None else default_assets_dir()
-    if not (assets / "scenes").is_dir():
-        raise FileNotFoundError(f"LIBERO assets not found at {assets} (expected {assets / 'scenes'}); set "
-                                f"{ASSETS_ENV_VAR} or pass assets_dir. They are not downloaded.")
+    assets = find_assets(assets_dir)  # one line saying where they come from when they are not there
     if "libero.libero" not in sys.modules:
         spec = importlib.util.find_spec("libero.libero")  # imports only the empty `libero` package
         if spec is None or spec.origin is None:

@@ -24,7 +24,8 @@ the cursor alone resumes it exactly. `eval_batch` returns start states of the he
 interleaved across sizes. `evaluate(policy, n)` runs closed-loop plans through the policy's
 `plan(contexts, max_steps) -> list[{"states": int [T+1, 5], "frames": [uint8 HxWx3, ...]}]`
 (duck-typed) and returns EM / PR / success / invalid share, overall and per level. After
-`mmrl train`, the CLI prints `summarize(results, out_dir, cpu_s)`: that table before and after RL.
+`mmrl train`, the CLI prints the `headline` (EM and PR, before -> after), then
+`summarize(results, out_dir, cpu_s)`: that table by size before and after RL (also in report.md).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 from mmrl.envs import TaskBase, register_task
+from mmrl.envs.base import Headline, headline_rows
 
 from .grid import INF, Action, Cell, Layout, batch_step, canonical_task, pack_layouts
 from .render import render_state
@@ -249,6 +251,16 @@ class PlanningTask(TaskBase):
     def eval_batch(self, n: int) -> list[dict[str, Any]]:
         return [self.make_context(lid, lay, 0) for lid, lay in self.test[: min(n, len(self.test))]]
 
+    def data_summary(self) -> str:
+        sizes = "/".join(f"{s}x{s}" for s in self.sizes)
+        return (f"{self.env} layouts of {sizes}: {len(self.train)} training, {len(self.test)} held out"
+                + (f", out-of-distribution sizes {', '.join(map(str, self.ood_sizes))} held out" if self.ood_sizes else ""))
+
+    def sft_targets(self) -> str:
+        return ("random valid moves along random walks" if self.sft_mode != "optimal"
+                else "the next states of optimal plans" + (f" ({self.sft_random_move_prob:.0%} random valid moves)"
+                                                          if self.sft_random_move_prob > 0 else ""))
+
     def sft_batch(self, n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
         """Random-walk mode: a state along a random valid walk from the start, target a random
         valid move (stage 1 of VPRL). Optimal mode: a state along a random optimal plan, target
@@ -390,6 +402,12 @@ class PlanningTask(TaskBase):
     def training_cpu_s(self, cpu_s: float) -> float:
         """`cpu_s` (process time of a training call on this task) without the time spent in `evaluate`."""
         return max(cpu_s - self.eval_cpu_s, 0.0)
+
+    def headline(self, before: dict[str, Any], after: dict[str, Any]) -> list[Headline]:
+        """EM and PR of greedy closed-loop plans on the held-out layouts, in percent (a one-shot
+        text planner has no closed-loop plans: its held-out reward)."""
+        return headline_rows(before, after, [("exact match (EM)", "eval/exact_match", ".1%"),
+                                             ("progress rate (PR)", "eval/progress_rate", ".1%")])
 
     def summarize(self, results: dict[str, Any], out_dir: str, cpu_s: float | None = None) -> str:
         """The held-out table before RL (after SFT) and after it, written to out_dir/before_after.md

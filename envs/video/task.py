@@ -30,6 +30,11 @@ from typing import Any
 import numpy as np
 
 from mmrl.envs import TaskBase, register_task
+from mmrl.envs.base import Headline, headline_rows
+
+# Held-out keys that are not reward components: the weighted total, the response length and the
+# task's own metric (`evaluate_outputs`).
+NOT_REWARDS = ("eval/total", "eval/len_mean", "eval/temporal_consistency")
 
 
 @register_task("video")
@@ -129,19 +134,32 @@ class VideoTask(TaskBase):
         (neighbouring prompts differ only in direction or speed)."""
         return sorted(set(np.linspace(0, n - 1, min(self.shown, n)).round().astype(int).tolist()))
 
+    def headline(self, before: dict[str, Any], after: dict[str, Any]) -> list[Headline]:
+        """The held-out reward (its weighted total, e.g. colour + motion), then each reward component
+        (eval/<reward>, each in [0, 1] for the verifiable ones)."""
+        components = sorted(k for k in after if k.startswith("eval/") and k not in NOT_REWARDS
+                            and not k.startswith("eval/sampled_") and isinstance(after[k], float))
+        return headline_rows(before, after, [("held-out reward (total)", "eval/total", ".3f")]
+                             + [(f"{k[5:].removeprefix('video_')} reward", k, ".3f") for k in components])
+
     def summarize(self, results: dict[str, Any], out_dir: str, cpu_s: float | None = None) -> str:
-        """Each held-out reward component and the temporal consistency, before -> after."""
+        """The held-out metrics the headline leaves out (temporal consistency, sampled rewards),
+        before -> after, and the before / after video grid."""
         before, after = results.get("eval_before") or {}, results.get("eval_after") or {}
-        keys = sorted(k for k in after if k.startswith("eval/") and k in before and k != "eval/len_mean"
+        shown = {row.key for row in self.headline(before, after)} | {"eval/len_mean"}
+        keys = sorted(k for k in after if k.startswith("eval/") and k in before and k not in shown
                       and isinstance(after[k], float))
-        lines = [f"{k[5:]:>24}: {before[k]:.3f} -> {after[k]:.3f}" for k in keys]
+        lines = []
+        if keys:
+            lines = ["| other held-out metric | before | after |", "| --- | ---: | ---: |"]
+            lines += [f"| {k[5:]} | {before[k]:.3f} | {after[k]:.3f} |" for k in keys]
         if self.eval_videos:  # the same prompts and initial noise at the first and the last evaluation
             from mmrl.evals.video_eval import write_grid
 
             rows = {"before": self.eval_videos[0], "after": self.eval_videos[-1]} if len(self.eval_videos) > 1 \
                 else {"after": self.eval_videos[-1]}
             gif, _ = write_grid(Path(out_dir) / "videos_before_after", rows, self.shown_prompts)
-            lines.append(f"{'videos':>24}: {gif}")
+            lines += [""] * bool(lines) + [f"Videos before / after (same prompts and noise): {gif}"]
         return "".join(line + "\n" for line in lines)
 
     def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None):

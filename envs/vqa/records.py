@@ -4,13 +4,17 @@ A record (one question)::
 
     {"id": str, "images": [uint8 HxWx3 array | absolute path str, ...], "problem": str with one "<image>"
      placeholder per image, "answer": str, "options": [str, ...] | None (then "answer" is the option
-     letter), "category": str, "difficulty": int | str | None, "key_steps": [str | [str, ...], ...] | None
-     (a step may list equivalent strings), "bbox": [x1, y1, x2, y2] | None}
+     letter), "solution": str | None (the reasoning an SFT target imitates, or a whole reply), "category": str,
+     "difficulty": int | str | None, "key_steps": [str | [str, ...], ...] | None (a step may list
+     equivalent strings), "bbox": [x1, y1, x2, y2] | None}
 
-`load_records` reads a folder of parquet / json / jsonl files (laid out as on the Hugging Face hub:
-``data/train-00000-of-00001.parquet`` and the like, so `split` picks the files), one parquet file,
-one JSON file (a list of objects, ``{"data": [...]}``, or an object keyed by id, as MathVista's
-``testmini.json``) or one JSONL file, through `datasets` and from local files only.
+`load_records` reads one parquet / JSON / JSONL / CSV file (JSON: a list of objects, ``{"data":
+[...]}``, or an object keyed by id, as MathVista's ``testmini.json``) or a folder of them, through
+`datasets` and from local files only. A folder's files are assigned to splits by `datasets`' own
+naming rules, as on the Hugging Face hub: ``train.jsonl`` / ``test.jsonl``,
+``data/train-00000-of-00001.parquet``, ``data/train.jsonl``, or image folders ``train/`` holding
+the images and a ``metadata.jsonl`` (or .csv / .parquet) whose ``file_name`` column names them;
+`split` picks one. A folder with no split names is one split.
 
 Image cells may be a path (relative to `image_root`, else to the data file's folder), a list of
 paths, a PIL image, a ``{"bytes", "path"}`` dict (how parquet stores an `Image` feature) or raw bytes.
@@ -33,14 +37,16 @@ from typing import Any
 
 import numpy as np
 
-DATA_FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
-RECORD_KEYS = ("id", "images", "problem", "answer", "options", "category", "difficulty", "key_steps", "bbox")
+DATA_FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+RECORD_KEYS = ("id", "images", "problem", "answer", "options", "solution", "category", "difficulty", "key_steps",
+               "bbox")
 REQUIRED_KEYS = ("images", "problem", "answer")
-# Source columns tried for a record key when `column_map` does not name one.
-DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {k: (k,) for k in RECORD_KEYS} | {"images": ("images", "image")}
+# Source columns tried for a record key when `column_map` does not name one ("file_name": the
+# image-folder layout's metadata column).
+DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {k: (k,) for k in RECORD_KEYS} | {"images": ("images", "image", "file_name")}
 IMAGE_TOKEN = "<image>"
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-ACCEPTED_PATHS = "a folder of .parquet / .json / .jsonl files, or one such file"
+ACCEPTED_PATHS = "a .parquet / .json / .jsonl / .csv file, or a folder of them (hub or image-folder layout)"
 ACCEPTED_IMAGES = ("a file path str, a list of them, a PIL image, a {'bytes', 'path'} dict (parquet image "
                    "column) or raw image bytes")
 
@@ -48,39 +54,56 @@ ACCEPTED_IMAGES = ("a file path str, a list of them, a PIL image, a {'bytes', 'p
 # ---------------------------------------------------------------- files and rows
 
 def data_files(path: str | Path, split: str | None = None, default_split: str | None = None) -> list[Path]:
-    """The data files behind `path`. For a folder, `datasets`' own split inference (file names such as
-    ``test-00000-of-00001.parquet`` or ``train.jsonl``) decides which files belong to which split;
-    `default_split` settles a folder holding several splits when `split` is None."""
-    from datasets.data_files import EmptyDatasetError, get_data_patterns, resolve_pattern
-
+    """The data files behind `path`: the file itself, or the files of one split of a folder (see
+    `folder_splits`); `default_split` settles a folder holding several splits when `split` is None."""
     p = Path(path).expanduser()
     if p.is_file():
         if p.suffix not in DATA_FORMATS:
             raise ValueError(f"{p}: unknown data file type {p.suffix!r}; accepted: {ACCEPTED_PATHS}")
         if split is not None:
             raise ValueError(f"{p}: split={split!r} picks files in a folder, but this is one file; "
-                             f"pass the folder, or split=None")
+                             f"pass the folder, or no split")
         return [p]
     if not p.is_dir():
         raise FileNotFoundError(f"{p}: no such file or folder; accepted: {ACCEPTED_PATHS}")
-    try:
-        patterns = {str(k): v for k, v in get_data_patterns(str(p)).items()}
-    except EmptyDatasetError:
-        patterns = {}
-    splits = {s: sorted({Path(f) for pat in pats for f in resolve_pattern(pat, base_path=str(p))
-                         if Path(f).suffix in DATA_FORMATS}) for s, pats in patterns.items()}
-    splits = {s: fs for s, fs in splits.items() if fs}
-    if not splits:
-        raise ValueError(f"{p}: folder holds no .parquet / .json / .jsonl files; accepted: {ACCEPTED_PATHS}")
+    splits = folder_splits(p)
     if split is None:
         if len(splits) == 1:
             return next(iter(splits.values()))
         if default_split in splits:
             return splits[default_split]
-        raise ValueError(f"{p}: folder holds several splits {sorted(splits)}; pass split= one of them")
+        raise ValueError(f"{p}: folder holds several splits {sorted(splits)}; pick one with split "
+                         f"(task.params.split / eval_split)")
     if split not in splits:
         raise ValueError(f"{p}: no split {split!r}; the folder's splits are {sorted(splits)}")
     return splits[split]
+
+
+def folder_splits(folder: Path) -> dict[str, list[Path]]:
+    """Split name -> data files of a folder, by `datasets`' own rules (the ones `load_dataset(folder)`
+    applies: ``train.jsonl``, ``data/test-00000-of-00001.parquet``, ``train/metadata.jsonl``, ...;
+    a folder with no split names is all "train"). Image files are not data files; they are read
+    through the data's image column."""
+    from datasets.data_files import EmptyDatasetError, get_data_patterns, resolve_pattern
+
+    try:
+        patterns = {str(k): v for k, v in get_data_patterns(str(folder)).items()}
+    except EmptyDatasetError:
+        patterns = {}
+    splits: dict[str, list[Path]] = {}
+    for name, pats in patterns.items():
+        files: set[Path] = set()
+        for pat in pats:  # datasets tries several spellings of a split; it raises on one that matches nothing
+            try:
+                files.update(Path(f) for f in resolve_pattern(pat, base_path=str(folder)))
+            except FileNotFoundError:
+                continue
+        files = {f for f in files if f.suffix in DATA_FORMATS}
+        if files:
+            splits[name] = sorted(files)
+    if not splits:
+        raise ValueError(f"{folder}: folder holds no .parquet / .json / .jsonl / .csv files; accepted: {ACCEPTED_PATHS}")
+    return splits
 
 
 def load_table(file: Path, field: str | None = None):
@@ -274,8 +297,13 @@ def make_record(fields: dict[str, Any], *, file: Path | str, index: int, base: P
     if isinstance(difficulty, float) and difficulty.is_integer():
         difficulty = int(difficulty)
     category = fields.get("category")
+    solution = fields.get("solution")
+    if solution is not None and not isinstance(solution, str):
+        raise ValueError(f"{at}: solution {_short(solution)} is a {type(solution).__name__}; accepted: the "
+                         f"reasoning text (a string), or empty")
     return {"id": rid, "images": images, "problem": place_images(problem, len(images), at), "answer": answer,
-            "options": options, "category": default_category if category in (None, "") else str(category),
+            "options": options, "solution": (solution or "").strip() or None,
+            "category": default_category if category in (None, "") else str(category),
             "difficulty": difficulty, "key_steps": None if key_steps is None else [_step(s) for s in key_steps],
             "bbox": bbox}
 
@@ -321,7 +349,8 @@ def load_records(path: str | Path, column_map: dict[str, str] | None = None, spl
     """Records (see the module doc) from local data files.
 
     `column_map` maps record keys to the source's column names, e.g. ``{"problem": "question",
-    "images": "image"}``; unmapped keys use a column of their own name ("images" also "image").
+    "solution": "rationale"}``; unmapped keys use a column of their own name ("images" also "image"
+    and "file_name").
     A missing "id" becomes the record's running index; a missing "category" the data's name
     (file stem or folder name). `limit` caps the number of records read."""
     files = data_files(path, split)

@@ -4,12 +4,15 @@ A record (see `mmrl.envs.vqa.records`) is one or several images, a `problem` wit
 placeholders, an `answer`, and optionally `options`, `category`, `difficulty`, `key_steps`,
 `bbox`. The task turns each into a context: the record plus `prompt` (the problem in a template
 that asks for reasoning and a final answer in `<think>...</think><answer>...</answer>` or
-`\\boxed{...}`) and `target` (the SFT reply built from the record's `solution`, when it has one).
+`\\boxed{...}`) and `target` (the SFT reply: the record's `solution`, or its answer alone).
 
 Sources: `synthetic` (the procedural set of `mmrl.envs.vqa.synthetic`: train and test disjoint,
-and a harder level held out as `ood`), or `files` (`data_path` / `eval_path`: a local folder,
-parquet, JSON or JSONL read through `datasets`, with a `column_map` for other layouts), with
-`benchmark` naming a known evaluation layout (MathVista, MathVerse, Geometry3K, CLEVR-count).
+and a harder level held out as `ood`), or `files` (`data_path` / `eval_path`: a parquet, JSON,
+JSONL or CSV file, a folder of them in the hub or image-folder layout, or a hub dataset id, read
+through `datasets`; `split` / `eval_split` pick a folder's splits, `column_map` names other
+columns), with `benchmark` naming a known evaluation layout (MathVista, MathVerse, Geometry3K,
+CLEVR-count). docs/your_data.md shows a dataset of one's own end to end. Records without a
+`solution` get the answer alone as their SFT target (an empty <think> block, then the answer).
 `sft_noise` gives that share of the SFT solutions a teacher's misreading (`misread_targets`), as
 distilled reasoning traces have; the reward still checks each record's own answer.
 
@@ -32,7 +35,17 @@ import torch
 from mmrl.envs import TaskBase, register_task
 
 SOURCES = ("synthetic", "files")
+# Parameters only one source reads; given to the other, the config is refused at load.
+SOURCE_PARAMS = {
+    "synthetic": ("data_seed", "categories", "difficulties", "ood_difficulty", "n_train", "n_ood", "image_size",
+                  "sft_miscount"),
+    "files": ("data_path", "eval_path", "split", "eval_split", "column_map", "image_root", "benchmark"),
+}
+# The held-out split of a folder that holds several, when neither eval_path nor eval_split says.
+EVAL_SPLITS = ("test", "validation", "valid", "val", "eval", "testmini")
 ANSWER_STYLES = ("tag", "boxed")
+# A `solution` holding this is a whole reply (a teacher's response), the SFT target as it is.
+ANSWER_MARKS = {"tag": "<answer>", "boxed": "\\boxed{"}
 PROMPTS = {
     "tag": "{problem}\nThink step by step inside <think> </think>, then give the final answer inside "
            "<answer> </answer>.",
@@ -131,6 +144,7 @@ class VQATask(TaskBase):
                  categories: list[str] | tuple[str, ...] | None = None, difficulties: list[int] | tuple[int, ...] = (1, 2),
                  ood_difficulty: int | None = 3, n_train: int = 2000, n_test: int = 200, n_ood: int = 100,
                  image_size: int = 112, data_path: str | None = None, eval_path: str | None = None,
+                 split: str | None = None, eval_split: str | None = None,
                  column_map: dict[str, str] | None = None, image_root: str | None = None,
                  benchmark: str | None = None, answer_style: str = "tag", prompt_template: str | None = None,
                  min_pixels: int | None = None, max_pixels: int | None = None, eval_k: int = 4,
@@ -158,11 +172,20 @@ class VQATask(TaskBase):
                                  categories=tuple(categories or CATEGORIES), train_difficulties=tuple(difficulties),
                                  ood_difficulty=ood_difficulty or max(difficulties) + 1, image_size=image_size)
             train, test, ood = splits["train"], splits["test"], splits["ood"] if ood_difficulty else []
+            self.data_note = (f"synthetic questions ({', '.join(categories or CATEGORIES)}): {len(train)} training, "
+                              f"{len(test)} held out, {len(ood)} of the harder level {ood_difficulty} held out")
         else:
-            train, test, ood = self._file_splits(data_path, eval_path, column_map, image_root, benchmark, n_test)
+            train, test, ood, self.data_note = self._file_splits(data_path, eval_path, split, eval_split, column_map,
+                                                                 image_root, benchmark, n_test)
         if not train and source == "synthetic":
             raise ValueError("task.params.n_train must be >= 1")
         self.train = [self.context(r) for r in train]
+        solved = sum(bool(r.get("solution")) for r in train)
+        # What SFT imitates, said when a run starts (Trainer asks `sft_targets`).
+        self.sft_source = ("the records' solutions" if solved == len(train) else
+                           "the answers alone (no 'solution' column: an empty <think> block, then the answer)"
+                           if solved == 0 else f"the solutions of {solved} of {len(train)} records, the answer "
+                           f"alone for the rest")
         if sft_noise > 0:
             misread_targets(self.train, sft_noise, np.random.default_rng([data_seed, 29]))
         if sft_miscount > 0:
@@ -171,22 +194,51 @@ class VQATask(TaskBase):
         self.ood = [self.context(r) for r in ood]
         self.cursor = 0
 
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> None:
+        """Refuse a parameter the chosen source does not read (e.g. `column_map` with `synthetic`)."""
+        source = params.get("source", "synthetic")
+        for other, names in SOURCE_PARAMS.items():
+            unused = [k for k in params if k in names and other != source]
+            if unused and source in SOURCES:
+                raise ValueError(f"task.params.{unused[0]}: not read by source {source!r} (it is a parameter of "
+                                 f"source {other!r}); remove it, or set task.params.source: {other}")
+
     @staticmethod
-    def _file_splits(data_path, eval_path, column_map, image_root, benchmark, n_test):
+    def _file_splits(data_path, eval_path, split, eval_split, column_map, image_root, benchmark, n_test):
         from mmrl.envs.vqa.benchmarks import load_benchmark
-        from mmrl.envs.vqa.records import load_records
+        from mmrl.envs.vqa.records import folder_splits, load_records
+        from mmrl.hub import resolve
 
         if data_path is None and eval_path is None:
             raise ValueError("task.params.source 'files' needs data_path (training records) and/or eval_path")
-        train = load_records(data_path, column_map=column_map, image_root=image_root) if data_path else []
+        if data_path is None and split is not None:
+            raise ValueError("task.params.split picks the training split of data_path, which is not given")
+        data = resolve(data_path, "dataset", "task.params.data_path") if data_path else None
+        if data is not None and data.is_dir():  # a folder of splits (the hub's layout): train on "train"
+            splits = folder_splits(data)
+            if split is None and len(splits) > 1 and "train" in splits:
+                split = "train"
+            if eval_path is None:  # and hold out its test (or validation, ...) split
+                if eval_split is None and len(splits) > 1:
+                    eval_split = next((s for s in EVAL_SPLITS if s in splits and s != split), None)
+                if eval_split is not None:
+                    eval_path = data_path
+        train = load_records(data, column_map=column_map, split=split, image_root=image_root) if data else []
+        where = f"{data_path}" + (f" (split {split})" if split else "")
         if eval_path is None:  # hold out the last n_test training records
             if len(train) <= n_test:
                 raise ValueError(f"task.params.data_path has {len(train)} records: too few to hold out n_test={n_test}; "
                                  "give eval_path or a smaller n_test")
-            return train[:-n_test], train[-n_test:], []
-        test = (load_benchmark(benchmark, eval_path) if benchmark else
-                load_records(eval_path, column_map=column_map, image_root=image_root))
-        return train, test, []
+            return (train[:-n_test], train[-n_test:], [],
+                    f"{len(train) - n_test} training records from {where}, its last {n_test} held out (n_test)")
+        evaluation = resolve(eval_path, "dataset", "task.params.eval_path")
+        test = (load_benchmark(benchmark, evaluation, split=eval_split, image_root=image_root) if benchmark else
+                load_records(evaluation, column_map=column_map, split=eval_split, image_root=image_root))
+        held_out = (f"{eval_path}" + (f" (split {eval_split})" if eval_split else "")
+                    + (f", {benchmark} layout" if benchmark else ""))
+        note = (f"{len(train)} training records from {where}; " if data else "") + f"{len(test)} held out from {held_out}"
+        return train, test, [], note
 
     # ------------------------------------------------------------------ contexts
 
@@ -209,10 +261,13 @@ class VQATask(TaskBase):
         if options and not re.search(r"(^|\n)\s*A[.)]", problem):  # options not yet listed in the problem
             problem += "".join(f"\n{chr(65 + i)}. {o}" for i, o in enumerate(options))
         ctx = {**record, "images": self._images(record["images"]), "prompt": self.prompt_template.format(problem=problem)}
-        if record.get("solution"):
+        solution = record.get("solution") or ""
+        if ANSWER_MARKS[self.answer_style] in solution:  # a whole reply in the answer format (a teacher's response)
+            ctx["target"] = solution
+        else:  # the reasoning, or nothing (the answer alone), then the record's answer
             final = (f"<answer>{record['answer']}</answer>" if self.answer_style == "tag"
                      else f"\\boxed{{{record['answer']}}}")
-            ctx["target"] = f"<think>{record['solution']}</think>{final}"
+            ctx["target"] = f"<think>{solution}</think>{final}"
         return ctx
 
     def next_batch(self, n: int) -> list[dict]:
@@ -229,10 +284,15 @@ class VQATask(TaskBase):
         return self.test[: min(n, len(self.test))]
 
     def sft_batch(self, n: int, rng: np.random.Generator) -> list[dict]:
-        have = [c for c in self.train if "target" in c]
-        if not have:
-            raise ValueError("SFT needs records with a 'solution' (the reasoning to imitate); these records have none")
-        return [have[int(i)] for i in rng.integers(0, len(have), n)]
+        if not self.train:
+            raise ValueError("SFT needs training records; task.params.data_path gives none (sft.steps: 0 for RL only)")
+        return [self.train[int(i)] for i in rng.integers(0, len(self.train), n)]
+
+    def sft_targets(self) -> str:
+        return self.sft_source
+
+    def data_summary(self) -> str:
+        return self.data_note
 
     def corpus(self) -> list[str]:
         contexts = self.train[:3000] + self.test + self.ood
@@ -301,6 +361,16 @@ class VQATask(TaskBase):
         from mmrl.evals.vqa_eval import report_checkpoint
 
         return report_checkpoint(cfg, self, policy, checkpoint, out=output, splits=splits)
+
+    def headline(self, before: dict[str, Any], after: dict[str, Any]) -> list:
+        """Held-out greedy accuracy and the mean accuracy of k sampled replies (`evaluate`'s
+        `accuracy` and `mean@k`), README's rows."""
+        from mmrl.envs.base import headline_rows
+
+        sampled = sorted(k for k in after if k.startswith("eval/mean@"))
+        return headline_rows(before, after, [("greedy accuracy", "eval/accuracy", ".3f")]
+                             + [(f"accuracy, mean of {k[len('eval/mean@'):]} sampled replies", k, ".3f")
+                                for k in sampled])
 
 
 def breakdown(contexts: list[dict], correct: np.ndarray) -> dict[str, float]:
