@@ -49,6 +49,19 @@ def headline_rows(before: dict[str, Any], after: dict[str, Any],
     return [Headline(label, before.get(key), after.get(key), fmt, key)]
 
 
+def check_source_params(params: dict[str, Any], source_params: dict[str, tuple[str, ...]], default: str) -> None:
+    """Refuse, in one line, a `task.params` entry that only another data source of the task reads
+    (`source_params`: source -> the parameters only it reads; `default`: the source when none is set)."""
+    source = params.get("source", default)
+    if source not in source_params:
+        return  # the task's own check names a bad source
+    for other, names in source_params.items():
+        unused = [k for k in params if k in names and other != source]
+        if unused:
+            raise ValueError(f"task.params.{unused[0]}: not read by source {source!r} (it is a parameter of "
+                             f"source {other!r}); remove it, or set task.params.source: {other}")
+
+
 class TaskBase:
     def next_batch(self, n: int) -> list[Any]:  # training contexts; advances the cursor
         raise NotImplementedError

@@ -168,3 +168,13 @@ def test_qa_filter_thresholds_are_strict():
 def test_filter_command_writes_a_synthetic_set(tmp_path):
     assert filter_main(["--synthetic", "3", str(tmp_path / "syn")]) == 0
     assert len(load_qa_dataset(tmp_path / "syn")) == 3
+
+
+def test_a_parameter_the_source_does_not_read_is_refused_at_load():
+    from mmrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"task.params.data_path: not read by source 'synthetic'"):
+        load_config("configs/caption_grpo.yaml", ["task.params.data_path=captions.jsonl"])
+    with pytest.raises(ConfigError, match=r"task.params.cell_px: not read by source 'folder'"):
+        load_config("configs/caption_grpo.yaml", ["task.params.source=folder", "task.params.data_path=c.jsonl",
+                                                  "task.params.cell_px=20"])

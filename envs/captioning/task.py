@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 from mmrl.envs import TaskBase, register_task
-from mmrl.envs.base import Headline, headline_rows
+from mmrl.envs.base import Headline, check_source_params, headline_rows
 
 from .data import load_qa_dataset
 from .scenes import (
@@ -43,6 +43,11 @@ from .scenes import (
 )
 
 SOURCES = ("synthetic", "folder")
+# Parameters only one source reads; given to the other, the config is refused at load.
+SOURCE_PARAMS = {
+    "synthetic": ("n_test", "cell_px", "min_objects", "max_objects", "glyph_prob", "caption_style", "sft_terse_prob"),
+    "folder": ("data_path", "eval_path", "test_fraction"),
+}
 
 
 @register_task("caption")
@@ -92,6 +97,11 @@ class CaptionTask(TaskBase):
                 raise ValueError(f"task.params.data_path {data_path}: no training records left after the split")
             self.train_records = records
             self.test = [self._record_context(r, f"test/{i}") for i, r in enumerate(test)]
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> None:
+        """Refuse a parameter the chosen source does not read (e.g. `data_path` with `synthetic`)."""
+        check_source_params(params, SOURCE_PARAMS, "synthetic")
 
     # ------------------------------------------------------------------ contexts
 

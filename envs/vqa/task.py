@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from mmrl.envs import TaskBase, register_task
+from mmrl.envs.base import check_source_params
 
 SOURCES = ("synthetic", "files")
 # Parameters only one source reads; given to the other, the config is refused at load.
@@ -197,12 +198,7 @@ class VQATask(TaskBase):
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
         """Refuse a parameter the chosen source does not read (e.g. `column_map` with `synthetic`)."""
-        source = params.get("source", "synthetic")
-        for other, names in SOURCE_PARAMS.items():
-            unused = [k for k in params if k in names and other != source]
-            if unused and source in SOURCES:
-                raise ValueError(f"task.params.{unused[0]}: not read by source {source!r} (it is a parameter of "
-                                 f"source {other!r}); remove it, or set task.params.source: {other}")
+        check_source_params(params, SOURCE_PARAMS, "synthetic")
 
     @staticmethod
     def _file_splits(data_path, eval_path, split, eval_split, column_map, image_root, benchmark, n_test):
