@@ -42,6 +42,9 @@ def build(cfg) -> tuple[Any, Any]:
     torch.manual_seed(cfg.train.seed)
     task = make_task(cfg.task.name, seed=cfg.train.seed, **cfg.task.params)
     policy = build_policy(cfg, task, resolve_device(cfg.train.device))
+    policy.logprob_chunk = cfg.train.logprob_chunk
+    if cfg.train.gradient_checkpointing:
+        policy.enable_gradient_checkpointing()
     return task, policy
 
 

@@ -21,6 +21,13 @@ from typing import Any, Literal
 import yaml
 
 
+# train.logprob_chunk: 0 (the default) sizes a chunk of the output head to this many logits, 32M
+# (128 MiB in float32, two such buffers alive): 220 tokens at Qwen2.5's 151,936-token vocabulary.
+# On the CPU (hidden 896, 2,048 tokens, forward + backward) chunks of 256-1,024 tokens ran equally
+# fast and 128 8 % slower. A tiny model's vocabulary fits a whole micro-batch in one chunk.
+LOGPROB_CHUNK_LOGITS = 2**25
+
+
 class ConfigError(ValueError):
     """A malformed config: the message names the key, the bad value and the valid choices."""
 
@@ -82,6 +89,9 @@ class RolloutConfig:
     # What samples the text policies (causal_lm, qwen_vl): `hf`, their in-process sampler, or `vllm`,
     # a colocated vLLM engine on the GPU (mmrl.policies.vllm_engine; pip install 'mmrl[vllm]').
     engine: str = "hf"
+    # > 0: at most this many rows (whole groups, one at least) in one in-process sampler call; a
+    # step's or an evaluation's contexts are sampled in several calls. 0: all in one call.
+    batch_size: int = 0
     vllm_memory: float = 0.3  # the engine's share of GPU memory (vLLM's gpu_memory_utilization)
     vllm_sleep: bool = True  # release the engine's weights and KV cache while training
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # more vllm.LLM(...) arguments
@@ -175,6 +185,13 @@ class TrainConfig:
     # Costs one extra forward without graph. 0 = all units in one pass.
     unit_chunk: int = 0
     recompute_old_logp: bool = False  # recompute old_logp with a forward instead of the sampler's
+    # Tokens whose logits exist at once when log-probs are computed from the final hidden states
+    # (mmrl.rollout.head_logprobs): the output head runs chunk by chunk, forward and backward, so
+    # [rows, T, vocab] never does. 0: as many tokens as make LOGPROB_CHUNK_LOGITS logits.
+    logprob_chunk: int = 0
+    # Recompute each transformer block's activations in the backward instead of keeping them (the
+    # policies whose GRADIENT_CHECKPOINTING is set; the config check names them). Same gradients.
+    gradient_checkpointing: bool = False
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
@@ -536,6 +553,10 @@ def validate(cfg: RunConfig) -> None:
         policy_class(cfg.model.policy).check_params(cfg.model.params)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.train.gradient_checkpointing and not getattr(policy_class(cfg.model.policy), "GRADIENT_CHECKPOINTING", False):
+        supported = sorted(n for n in POLICIES if getattr(policy_class(n), "GRADIENT_CHECKPOINTING", False))
+        raise ConfigError(f"train.gradient_checkpointing: model.policy {cfg.model.policy!r} does not support it; "
+                          f"supported: {', '.join(supported)}")
     _check(cfg.task.name in task_names(), f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(task_names())}")
     check_params(task_class(cfg.task.name).__init__, cfg.task.params, f"task.params (task {cfg.task.name!r})",
                  skip=1, internal=("seed",))
@@ -578,6 +599,8 @@ def validate(cfg: RunConfig) -> None:
     _check(t.mini_batches >= 1, f"train.mini_batches must be >= 1, got {t.mini_batches}")
     _check(t.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0, got {t.micro_batch_size}")
     _check(t.unit_chunk >= 0, f"train.unit_chunk must be >= 0 (0 = all units in one pass), got {t.unit_chunk}")
+    _check(t.logprob_chunk >= 0, f"train.logprob_chunk must be >= 0 (tokens per chunk of the output head; "
+                                 f"0 = sized to the vocabulary), got {t.logprob_chunk}")
     _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     _check(len(t.betas) == 2, f"train.betas must be two numbers, got {t.betas}")
     _check(t.dist_timeout_s > 0, f"train.dist_timeout_s must be > 0, got {t.dist_timeout_s}")
@@ -598,6 +621,7 @@ def validate(cfg: RunConfig) -> None:
     _check(r.correction == "none" or r.correction_level != "token" or not loss_spec.sequence_advantage,
            f"rollout.correction_level: loss {cfg.algo.loss!r} needs one advantage per sequence; "
            f"set rollout.correction_level: sequence")
+    _check(r.batch_size >= 0, f"rollout.batch_size must be >= 0 (0 = all rows in one sampler call), got {r.batch_size}")
     _check(r.engine in ROLLOUT_ENGINES, f"rollout.engine: invalid value {r.engine!r}; valid: {', '.join(ROLLOUT_ENGINES)}")
     if r.engine == "vllm":
         _check(cfg.model.policy in VLLM_POLICIES,

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from mmrl.config import LOGPROB_CHUNK_LOGITS
+
 
 @dataclass
 class Rollout:
@@ -183,6 +185,113 @@ def token_logprobs(logits: torch.Tensor, units: torch.Tensor, suppress: torch.Te
         # neither the value nor the gradient meets 0 * inf.
         entropy = lse - (probs * raw).sum(-1)
     return logp, entropy
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, units: torch.Tensor, *, bias: torch.Tensor | None = None,
+                  suppress: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False,
+                  chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of `units` [N, T] under the output head (`weight` [V, H], `bias`) applied to
+    the final hidden states `hidden` [N, T, H] and divided by `temperature`, computed `chunk` tokens at
+    a time (0: as many as make `LOGPROB_CHUNK_LOGITS` logits): the logits of one chunk exist at once,
+    in the forward and again in the backward (which recomputes them), never `[N, T, V]` nor a float32
+    copy of it. Values and gradients are the one-pass ones. Returns float32 log-probs [N, T] and,
+    `with_entropy`, entropies [N, T]."""
+    N, T, H = hidden.shape
+    chunk = chunk or max(1, LOGPROB_CHUNK_LOGITS // weight.shape[0])
+    if N * T <= chunk:  # one chunk: plain autograd over the logits, the same ops as one pass
+        logits = torch.nn.functional.linear(hidden, weight, bias).float()
+        return token_logprobs(logits / temperature if temperature != 1.0 else logits, units, suppress, with_entropy)
+    if suppress is None:
+        suppress = torch.zeros(0, dtype=torch.long, device=hidden.device)
+    logp, entropy = _HeadLogprobs.apply(hidden.reshape(N * T, H), weight, bias, units.reshape(N * T),
+                                        suppress.to(hidden.device), float(temperature), bool(with_entropy), chunk)
+    return logp.view(N, T), entropy.view(N, T) if with_entropy else None
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """The chunked output head of `head_logprobs`. The backward recomputes each chunk's logits and
+    differentiates log p(u) = z_u - lse(z) and H = lse(z) - sum_j p_j z_j by hand:
+    d logp / dz = onehot(u) - p,  dH / dz = -p (z - sum_j p_j z_j), with z = logits / temperature.
+    Two [chunk, V] float32 buffers are alive at a time (the logits, reused in place, and p)."""
+
+    @staticmethod
+    def _chunk_logits(h, weight, bias, temperature):
+        """The scaled logits of a chunk, float32 [n, V] (a fresh tensor the caller may overwrite)."""
+        z = torch.nn.functional.linear(h, weight, bias).float()
+        return z.div_(temperature) if temperature != 1.0 else z
+
+    @staticmethod
+    def _probs(z, suppress):
+        """(lse [n], p [n, V]) of logits `z` with the suppressed ids removed; `z` is left with 0 at
+        those ids (finite where p = 0, so p * z stays finite)."""
+        if suppress.numel():
+            z.index_fill_(-1, suppress, float("-inf"))
+        lse = z.logsumexp(-1)
+        p = (z - lse[:, None]).exp_()
+        if suppress.numel():
+            z.index_fill_(-1, suppress, 0.0)
+        return lse, p
+
+    @staticmethod
+    def _expected(p, z):
+        """sum_j p_j z_j per row, without a [n, V] product."""
+        return (p.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, hidden, weight, bias, units, suppress, temperature, with_entropy, chunk):
+        logp = hidden.new_empty(len(units), dtype=torch.float32)
+        entropy = hidden.new_zeros(len(units) if with_entropy else 0, dtype=torch.float32)
+        for lo in range(0, len(units), chunk):
+            sl = slice(lo, lo + chunk)
+            z = _HeadLogprobs._chunk_logits(hidden[sl], weight, bias, temperature)
+            picked = z.gather(-1, units[sl, None]).squeeze(-1)
+            if suppress.numel():  # a suppressed unit has probability 0
+                picked = picked.masked_fill(torch.isin(units[sl], suppress), float("-inf"))
+            lse, p = _HeadLogprobs._probs(z, suppress)
+            logp[sl] = picked - lse
+            if with_entropy:
+                entropy[sl] = lse - _HeadLogprobs._expected(p, z)
+            del z, p
+        ctx.save_for_backward(hidden, weight, bias, units, suppress)
+        ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
+        return logp, entropy
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, units, suppress = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
+        use_entropy = ctx.with_entropy and grad_entropy is not None and grad_entropy.numel() > 0
+        for lo in range(0, len(units), ctx.chunk):
+            sl = slice(lo, lo + ctx.chunk)
+            h = hidden[sl]
+            z = _HeadLogprobs._chunk_logits(h, weight, bias, ctx.temperature)
+            _, p = _HeadLogprobs._probs(z, suppress)
+            g = grad_logp[sl, None]
+            if use_entropy:  # z becomes the gradient in place: -g_H p (z - E_p z) - g_logp p
+                ez = _HeadLogprobs._expected(p, z)[:, None]
+                gz = z.sub_(ez).mul_(p).mul_(-grad_entropy[sl, None]).sub_(p.mul_(g))
+            else:
+                gz = p.mul_(-g)
+            del z, p
+            # z_u of a suppressed unit is the constant -inf (as index_fill makes it): no gradient to it
+            hit = g * ~torch.isin(units[sl, None], suppress) if suppress.numel() else g
+            gz.scatter_add_(-1, units[sl, None], hit)
+            if ctx.temperature != 1.0:
+                gz.div_(ctx.temperature)
+            if need_h:
+                grad_h[sl] = gz.to(h.dtype) @ weight.to(h.dtype)
+            if need_w:
+                grad_w.addmm_(gz.t(), h.float())
+            if grad_b is not None:
+                grad_b += gz.sum(0)
+            del gz
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

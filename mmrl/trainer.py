@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -291,10 +292,15 @@ class Trainer:
 
     def sample(self, contexts: list[Any], group_size: int, generator: torch.Generator, first_group: int = 0,
                temperature: float | None = None) -> Rollout:
-        """The policy's G samples per context, with group ids stamped (here, and nowhere else)."""
+        """The policy's G samples per context, with group ids stamped (here, and nowhere else). With
+        `rollout.batch_size`, each sampler call takes at most that many rows (whole groups, one at
+        least), so its KV cache and activations are bounded whatever the step's batch."""
+        rows = self.cfg.rollout.batch_size
+        per_call = max(1, rows // group_size) if rows > 0 else max(1, len(contexts))
         with self.autocast, self.whole_model():
-            rollout = self.policy.sample(contexts, group_size, generator=generator, temperature=temperature)
-        return rollout.stamp_groups(group_size, first_group)
+            parts = [self.policy.sample(contexts[lo:lo + per_call], group_size, generator=generator,
+                                        temperature=temperature) for lo in range(0, len(contexts), per_call) or [0]]
+        return Rollout.concat(parts).stamp_groups(group_size, first_group)
 
     def score(self, rollout: Rollout, rewards: list[tuple[str, float, Reward]] | None = None,
               outputs: list | None = None) -> torch.Tensor:
@@ -440,6 +446,16 @@ class Trainer:
             return []
         size = self.cfg.train.micro_batch_size or len(idx)
         return list(idx.split(size))
+
+    @torch.no_grad()
+    def in_micro_batches(self, n_rows: int, score: Callable[[torch.Tensor], Any]) -> Any:
+        """`score(rows)` over the update's micro-batches of `n_rows` rows, joined along the rows (a
+        tensor, or a dict of them): a pass without gradient (the old log-probs, the reference, the
+        certainty pass) then holds one micro-batch's activations, as the update itself does."""
+        parts = [score(rows) for rows in self._micro_batches(torch.arange(n_rows, device=self.device))]
+        if isinstance(parts[0], dict):
+            return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        return torch.cat(parts)
 
     def _optimizer_step(self) -> float:
         """Average the gradient over ranks, clip it, step the optimizer and the schedule; the pre-clip norm."""
@@ -602,10 +618,10 @@ class Trainer:
     def certainty_weights(self, rollout: Rollout, masked: Rollout, mask: torch.Tensor,
                           adv: torch.Tensor) -> torch.Tensor:
         """VL-Calibration's token weights of the advantages [N, T] from the rollout's visual certainty."""
-        with torch.no_grad():
-            scores = self.score_units(rollout, masked)
-            certainty = algos.visual_certainty(scores["logp"], scores["logp_masked"], scores["entropy"], mask,
-                                               group_ids=rollout.group_ids)
+        scores = self.in_micro_batches(len(rollout), lambda rows: self.score_units(rollout.select(rows),
+                                                                                  masked.select(rows)))
+        certainty = algos.visual_certainty(scores["logp"], scores["logp_masked"], scores["entropy"], mask,
+                                           group_ids=rollout.group_ids)
         return algos.certainty_token_weights(certainty, mask, advantages=adv, alpha=self.cfg.algo.certainty_reweight)
 
     def update(self, rollout: Rollout, guide_contexts: list[Any] = ()) -> dict[str, float]:
@@ -620,12 +636,12 @@ class Trainer:
         old_logp = rollout.logp_old
         N = len(rollout)  # 0: a rank that kept no rows while others did (replicate mode); no forward
         if t.recompute_old_logp and N:
-            with torch.no_grad(), self.autocast:
-                old_logp = self.policy.logprobs(rollout)[0]
+            with self.autocast:
+                old_logp = self.in_micro_batches(N, lambda rows: self.policy.logprobs(rollout.select(rows))[0])
         ref_logp = None
         if a.beta > 0 and N:
             with self.autocast:
-                ref_logp = self.policy.reference_logprobs(rollout)
+                ref_logp = self.in_micro_batches(N, lambda rows: self.policy.reference_logprobs(rollout.select(rows)))
         # One image mask per rollout, kept for every epoch of this update.
         masked = self.policy.mask_images(rollout, a.mask_prob, self.sample_gen) if a.masks_images and N else None
         if a.certainty_reweight > 0 and N:

@@ -191,10 +191,10 @@ def test_shared_prompt_pass_equals_one_pass_per_row(tiny_lm):
     for shared in (True, False):
         model.zero_grad()
         if shared:
-            logits = fast.completion_logits(ids, mask, units)
+            logits = fast.logits(fast.completion_hidden(ids, mask, units))
         else:
             full = torch.cat([ids, units], 1)
-            logits = fast.forward_logits(full, torch.cat([mask, torch.ones_like(units)], 1), keep_last=6)[:, :-1]
+            logits = fast.logits(fast.forward_hidden(full, torch.cat([mask, torch.ones_like(units)], 1), keep_last=6)[:, :-1])
         logits.float().log_softmax(-1).gather(-1, units[..., None]).sum().backward()
         results.append((logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
     (shared_logits, shared_grads), (row_logits, row_grads) = results
@@ -204,4 +204,5 @@ def test_shared_prompt_pass_equals_one_pass_per_row(tiny_lm):
     for k in row_grads:
         torch.testing.assert_close(shared_grads[k], row_grads[k], atol=1e-5, rtol=1e-4)
     # one completion token: the prompt pass alone
-    torch.testing.assert_close(fast.completion_logits(ids, mask, units[:, :1]), row_logits[:, :1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.logits(fast.completion_hidden(ids, mask, units[:, :1])), row_logits[:, :1],
+                               atol=1e-5, rtol=1e-5)

@@ -86,6 +86,8 @@ class PolicyBase:
     reference: nn.Module | None = None
     PARAMS: frozenset[str] = frozenset()  # the model.params keys this adapter reads
     can_mask_images = False  # `mask_images` works on its rollouts (PAPO, VL-Calibration)
+    logprob_chunk = 0  # tokens per chunk of the output head's log-probs (train.logprob_chunk; 0: sized to the vocabulary)
+    GRADIENT_CHECKPOINTING = False  # `enable_gradient_checkpointing` works (train.gradient_checkpointing)
 
     @classmethod
     def check_params(cls, params: dict) -> None:
@@ -101,6 +103,14 @@ class PolicyBase:
         score it again under a perturbed context (PAPO, VL-Calibration). Policies that see images
         override it."""
         raise NotImplementedError(f"{type(self).__name__} cannot mask its images (can_mask_images is False)")
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Keep no transformer block's activations for the backward; recompute them there instead
+        (train.gradient_checkpointing). Hugging Face models: their own switch, non-reentrant (so LoRA
+        and frozen inputs work), which covers a Qwen-VL's language model and vision tower alike.
+        Teacher forcing then takes the HF forward: the lean decoder keeps its activations."""
+        hf = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def enable_reference(self) -> None:
         """A frozen copy of the current weights for the KL term; under LoRA the model with its
@@ -157,6 +167,7 @@ class TextPolicyBase(PolicyBase):
     """
 
     engine = None  # mmrl.policies.vllm_engine.VLLMEngine, else the in-process sampler
+    GRADIENT_CHECKPOINTING = True  # Hugging Face models (causal LMs, Qwen-VLs and the action-token VLA)
 
     def __init__(self, model: nn.Module, tokenizer, *, processor=None, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, max_new_tokens: int = 16):

@@ -96,4 +96,5 @@ class CausalLMPolicy(TextPolicyBase):
                         temperature: float | None = None, window: slice | None = None):
         return completion_logprobs(model, self._fast, prompts["prompt_ids"], prompts["prompt_mask"], units,
                                    temperature=self.temperature if temperature is None else temperature,
-                                   suppress=self._suppress, with_entropy=with_entropy, window=window)
+                                   suppress=self._suppress, with_entropy=with_entropy, window=window,
+                                   chunk=self.logprob_chunk)

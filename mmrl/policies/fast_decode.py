@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from mmrl.rollout import (
     SampleOutput,
+    head_logprobs,
     positions_from_mask,
     sample_tokens,
     token_logprobs,
@@ -166,27 +167,28 @@ class FastDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.lm_head.weight)
 
-    def forward_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep_last: int) -> torch.Tensor:
-        """Teacher-forced logits of the last `keep_last` positions, with gradient: the drop-in for
-        `model(input_ids, attention_mask, position_ids, logits_to_keep=keep_last).logits` (text
-        only: a Qwen-VL's prompts go through its HF forward)."""
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep_last: int) -> torch.Tensor:
+        """Teacher-forced final hidden states of the last `keep_last` positions, with gradient: the
+        drop-in for the HF body's `last_hidden_state[:, -keep_last:]` (text only: a Qwen-VL's
+        prompts go through its HF forward). `logits` projects them to the vocabulary."""
         S = input_ids.shape[1]
         cos, sin = self.rope(positions_from_mask(attention_mask))
         mask = _causal_padding_mask(attention_mask, S)
         h = self.hidden(self.fused_layers(), input_ids, cos, sin, mask)
-        return self.logits(h[:, S - keep_last:])
+        return h[:, S - keep_last:]
 
-    def completion_logits(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits `[N, T, V]` that predict `units` [N, T] after left-padded prompts,
-        with gradient. Rows with the same prompt (a GRPO group) share one prompt pass, and their
-        completions attend to its keys and values: a group of G then costs one prompt, not G."""
+    def completion_hidden(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced final hidden states `[N, T, H]` of the positions that predict `units` [N, T]
+        after left-padded prompts, with gradient. Rows with the same prompt (a GRPO group) share one
+        prompt pass, and their completions attend to its keys and values: a group of G then costs
+        one prompt, not G."""
         N, T = units.shape
         key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1)
         unique, index = torch.unique(key, dim=0, return_inverse=True)
         if len(unique) == N:  # nothing shared: one pass over prompt + completion
             ids = torch.cat([prompt_ids, units], 1)
             attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
-            return self.forward_logits(ids, attn, keep_last=T + 1)[:, :-1]
+            return self.forward_hidden(ids, attn, keep_last=T + 1)[:, :-1]
         Lp = prompt_ids.shape[1]
         p_ids, p_mask = unique[:, :Lp], unique[:, Lp:].to(prompt_mask.dtype)
         layers = self.fused_layers()
@@ -194,7 +196,7 @@ class FastDecoder:
         cos, sin = self.rope(p_pos)
         prefix_kv: list = []
         h = self.hidden(layers, p_ids, cos, sin, _causal_padding_mask(p_mask, Lp), kv_out=prefix_kv)
-        first = self.logits(h[:, -1])[index]  # the last prompt position predicts the first unit
+        first = h[:, -1][index]  # the last prompt position predicts the first unit
         if T == 1:
             return first[:, None]
         S = T - 1  # the last unit predicts nothing we score
@@ -203,7 +205,7 @@ class FastDecoder:
         causal = torch.ones(S, S, dtype=torch.bool, device=units.device).tril()
         mask = torch.cat([p_mask.bool()[index][:, None, None, :].expand(N, 1, S, Lp), causal.expand(N, 1, S, S)], -1)
         h = self.hidden(layers, units[:, :-1], cos, sin, mask, prefix=(prefix_kv, index))
-        return torch.cat([first[:, None], self.logits(h)], 1)
+        return torch.cat([first[:, None], h], 1)
 
     def stepper(self, max_len: int) -> _StaticCacheStepper:
         """A `sample_tokens` stepper over sequences of at most `max_len` (prompt + completion)."""
@@ -223,27 +225,43 @@ def _sharded(model) -> bool:
 
 def completion_logprobs(model, fast: FastDecoder | None, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         units: torch.Tensor, *, temperature: float, suppress: torch.Tensor,
-                        with_entropy: bool, window: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        with_entropy: bool, window: slice | None = None,
+                        chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Teacher-forced log-probs (and entropy) of `units[:, window]` (default: all T) after
     left-padded prompts, under softmax(logits / temperature) with `suppress` ids removed. The lean
     decoder runs when `fast` wraps `model` (gradients flow to its parameters); anything else (a
-    frozen reference copy, dropout in training, weights sharded by FSDP2, whose gathering hooks
-    only the modules' forwards run) takes the HF forward. Only the positions that
-    predict a unit of the window are projected to the vocabulary (the [N, T, V] logits are what a
-    window bounds); the lean decoder runs each distinct prompt once."""
+    frozen reference copy, dropout in training, LoRA, gradient checkpointing) takes the HF body's
+    forward. Either gives the
+    final hidden states of the positions that predict the window's units, and the output head
+    turns them into log-probs `chunk` tokens at a time (`head_logprobs`): no `[N, T, V]` logits.
+    Weights sharded by FSDP2 (whose gathering hooks only the whole model's forward runs) take the
+    HF forward's logits, one micro-batch's at a time."""
     start, stop, _ = (window or slice(None)).indices(units.shape[1])
     units, T = units[:, :stop], stop - start  # later units cannot change a causal model's scores
-    lean = fast is not None and fast.model is model and not (model.training and fast.dropout > 0)
-    if lean and not _sharded(model):
-        logits = fast.completion_logits(prompt_ids, prompt_mask, units)[:, start:].float()
-    else:
-        ids = torch.cat([prompt_ids, units], 1)
-        attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
+    lean = (fast is not None and fast.model is model and not (model.training and fast.dropout > 0)
+            and not getattr(model, "is_gradient_checkpointing", False))  # the HF layers recompute, the lean ones keep
+    ids = torch.cat([prompt_ids, units], 1)
+    attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
+    if _sharded(model):
         logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), use_cache=False,
                        logits_to_keep=T + 1).logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return token_logprobs(logits, units[:, start:], suppress.to(logits.device), with_entropy)
+        return token_logprobs(logits / temperature, units[:, start:], suppress.to(logits.device), with_entropy)
+    if lean:
+        hidden = fast.completion_hidden(prompt_ids, prompt_mask, units)[:, start:]
+    else:
+        hidden = causal_body(model)(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
+                                    use_cache=False).last_hidden_state[:, -(T + 1):-1]
+    head = model.get_output_embeddings()
+    return head_logprobs(hidden, head.weight, units[:, start:], bias=head.bias, suppress=suppress,
+                         temperature=temperature, with_entropy=with_entropy, chunk=chunk)
+
+
+def causal_body(model):
+    """The transformer under an HF model's output head (`Qwen2Model` of a `Qwen2ForCausalLM`, the
+    vision + language `Qwen2_5_VLModel` of a Qwen2.5-VL), through a peft wrapper: its forward gives
+    the final-norm hidden states the head reads."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return hf.base_model
 
 
 def _plain_projections(body) -> bool:

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from mmrl.policies.base import TextPolicyBase, apply_lora, checkpoint_dir, sampling_settings
-from mmrl.policies.fast_decode import FastDecoder
+from mmrl.policies.fast_decode import FastDecoder, causal_body
 from mmrl.policies.vllm_engine import attach_engine
-from mmrl.rollout import Rollout, sample_tokens, token_logprobs
+from mmrl.rollout import Rollout, head_logprobs, sample_tokens
 
 IMAGE_PLACEHOLDER = "<image>"  # where a prompt places an image (EasyR1, Geometry3K, MathVerse layouts)
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
@@ -326,12 +326,15 @@ class QwenVLPolicy(TextPolicyBase):
         mm = torch.cat([extras["mm_token_type_ids"], torch.zeros_like(units)], 1)  # the completion is text
         vision = vision_inputs(extras["pixel_values"], extras["image_grid_thw"])
         pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
-        # Only the T positions that predict a unit of the window are projected to the vocabulary.
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm, use_cache=False,
-                       logits_to_keep=T + 1, **vision).logits[:, :-1].float()
-        logits = logits / (self.temperature if temperature is None else temperature)
-        suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=logits.device)
-        return token_logprobs(logits, units[:, start:], suppress, with_entropy)
+        # The final hidden states of the T positions that predict a unit of the window, through the
+        # output head a chunk of tokens at a time: no [N, T, V] logits.
+        hidden = causal_body(model)(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm,
+                                    use_cache=False, **vision).last_hidden_state[:, -(T + 1):-1]
+        head = model.get_output_embeddings()
+        suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=hidden.device)
+        return head_logprobs(hidden, head.weight, units[:, start:], bias=head.bias, suppress=suppress,
+                             temperature=self.temperature if temperature is None else temperature,
+                             with_entropy=with_entropy, chunk=self.logprob_chunk)
 
     def black_patch(self) -> torch.Tensor:
         """One flattened vision patch of a black image, as the processor normalises it: rows of

@@ -53,6 +53,8 @@ class VisualPlannerModel(nn.Module):
 
 
 class VisualPlannerPolicy:
+    logprob_chunk = 0  # tokens per chunk of the output head's log-probs (train.logprob_chunk; 0: sized to the vocabulary)
+
     def __init__(self, lm: nn.Module, vq: VQTokenizer, vocab: Vocabulary, *, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, fast_decode: bool = True):
         if vocab.codebook_size != vq.config.codebook_size:
@@ -254,7 +256,8 @@ class VisualPlannerPolicy:
         # the frozen reference copy takes the HF forward.
         return completion_logprobs(lm, self._fast, prompt_ids, prompt_mask, units,
                                    temperature=self.temperature if temperature is None else temperature,
-                                   suppress=self._suppress, with_entropy=with_entropy, window=window)
+                                   suppress=self._suppress, with_entropy=with_entropy, window=window,
+                                   chunk=self.logprob_chunk)
 
     def logprobs(self, rollout: Rollout, with_entropy: bool = False, units: slice | None = None):
         e = rollout.extras

@@ -51,6 +51,7 @@ from torch import nn
 
 from mmrl.envs.episodes import VectorEnvFactory, episode_slices, run_episodes, task_env_factory
 from mmrl.policies.base import apply_lora, checkpoint_dir, eval_mode
+from mmrl.policies.fast_decode import causal_body
 from mmrl.policies.qwen_vl import (
     QwenVLPolicy,
     VLStepper,
@@ -81,7 +82,7 @@ from mmrl.policies.vla.processor import (
     observation_images,
     parse_sft_context,
 )
-from mmrl.rollout import Rollout, token_logprobs
+from mmrl.rollout import Rollout, head_logprobs
 
 
 @dataclass
@@ -333,13 +334,15 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         vision = vision_inputs(enc["pixel_values"], enc["image_grid_thw"])
         pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
         with self._instruction_film(enc, model):
-            logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm, use_cache=False,
-                           logits_to_keep=L + 1, **vision).logits[:, :-1].float()
-        z = logits[..., self.token_start:self.token_start + self.n_bins]
+            hidden = causal_body(model)(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm,
+                                        use_cache=False, **vision).last_hidden_state[:, -(L + 1):-1]
         t = self.temperature if temperature is None else temperature
-        if t not in (0.0, 1.0):  # greedy rollouts are scored at temperature 1 (their logp is informational)
-            z = z / t
-        return token_logprobs(z, tokens - self.token_start, None, with_entropy)
+        # The head's rows of the action ids only: the distribution is over the action bins.
+        head, bins = model.get_output_embeddings(), slice(self.token_start, self.token_start + self.n_bins)
+        return head_logprobs(hidden, head.weight[bins], tokens - self.token_start,
+                             bias=None if head.bias is None else head.bias[bins],
+                             temperature=t if t not in (0.0, 1.0) else 1.0,  # greedy rollouts are scored at 1
+                             with_entropy=with_entropy, chunk=self.logprob_chunk)
 
     def logprobs_of(self, observations: dict | Any, instructions: Sequence[str], tokens: torch.Tensor,
                     with_entropy: bool = False, model: nn.Module | None = None):
