@@ -180,6 +180,11 @@ class TrainConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
     micro_batch_size: int = 0  # rows per forward/backward; 0 = whole mini-batch
+    # > 0: micro-batches packed by length (verl's dynamic batch size) so that none holds more than
+    # this many prompt + response tokens, padding included, and each is trimmed to its own longest
+    # prompt and response. Same gradient as row-count micro-batches. Text and VLM policies
+    # (TOKEN_BUDGET); micro_batch_size, when set, still bounds the rows. 0 = off.
+    max_tokens_per_micro: int = 0
     # > 0: back-propagate this many units (tokens, action tokens, denoising steps) of each row at a
     # time, so one window's activations are alive, not all T; the gradient is the one-pass one.
     # Costs one extra forward without graph. 0 = all units in one pass.
@@ -553,6 +558,11 @@ def validate(cfg: RunConfig) -> None:
         policy_class(cfg.model.policy).check_params(cfg.model.params)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.train.max_tokens_per_micro and not getattr(policy_class(cfg.model.policy), "TOKEN_BUDGET", False):
+        supported = sorted(n for n in POLICIES if getattr(policy_class(n), "TOKEN_BUDGET", False))
+        raise ConfigError(f"train.max_tokens_per_micro: model.policy {cfg.model.policy!r} does not pack rows by "
+                          f"length (its rows are not prompt + response tokens); set it to 0 or use "
+                          f"train.micro_batch_size; supported: {', '.join(supported)}")
     if cfg.train.gradient_checkpointing and not getattr(policy_class(cfg.model.policy), "GRADIENT_CHECKPOINTING", False):
         supported = sorted(n for n in POLICIES if getattr(policy_class(n), "GRADIENT_CHECKPOINTING", False))
         raise ConfigError(f"train.gradient_checkpointing: model.policy {cfg.model.policy!r} does not support it; "
@@ -598,6 +608,8 @@ def validate(cfg: RunConfig) -> None:
     _check(t.ppo_epochs >= 1, f"train.ppo_epochs must be >= 1, got {t.ppo_epochs}")
     _check(t.mini_batches >= 1, f"train.mini_batches must be >= 1, got {t.mini_batches}")
     _check(t.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0, got {t.micro_batch_size}")
+    _check(t.max_tokens_per_micro >= 0, f"train.max_tokens_per_micro must be >= 0 (prompt + response tokens "
+                                        f"of one micro-batch; 0 = off), got {t.max_tokens_per_micro}")
     _check(t.unit_chunk >= 0, f"train.unit_chunk must be >= 0 (0 = all units in one pass), got {t.unit_chunk}")
     _check(t.logprob_chunk >= 0, f"train.logprob_chunk must be >= 0 (tokens per chunk of the output head; "
                                  f"0 = sized to the vocabulary), got {t.logprob_chunk}")

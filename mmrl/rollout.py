@@ -125,6 +125,36 @@ class Rollout:
         )
 
 
+def unit_spans(mask: torch.Tensor) -> torch.Tensor:
+    """Long [N]: the index after each row's last True of `mask` [N, T] (0 for an empty row)."""
+    position = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.long() * position).amax(1) if mask.shape[1] else mask.new_zeros(mask.shape[0], dtype=torch.long)
+
+
+def token_budget_batches(sizes: torch.Tensor, budget: int, max_rows: int = 0) -> list[torch.Tensor]:
+    """Rows packed into micro-batches by length (verl's dynamic batch size): `sizes` [N, 2] is each
+    row's prompt and reply tokens; a micro-batch pads every row to its longest prompt and longest
+    reply, so it costs rows x (max prompt + max reply) tokens, kept <= `budget` (and rows <= `max_rows`
+    when > 0). Longest rows first, greedily; returns row indices. A row over the budget alone is an
+    error: no micro-batch may exceed it."""
+    order = torch.argsort(sizes.sum(1), descending=True, stable=True).tolist()
+    p, r = sizes[:, 0].tolist(), sizes[:, 1].tolist()
+    batches, rows, max_p, max_r = [], [], 0, 0
+    for i in order:
+        if p[i] + r[i] > budget:
+            raise ValueError(f"train.max_tokens_per_micro {budget} is below one row's {p[i]} prompt + {r[i]} reply "
+                             f"tokens; set it to at least {p[i] + r[i]} (or 0: row-count micro-batches)")
+        mp, mr = max(max_p, p[i]), max(max_r, r[i])
+        if rows and ((len(rows) + 1) * (mp + mr) > budget or len(rows) == max_rows):
+            batches.append(rows)
+            rows, mp, mr = [], p[i], r[i]
+        rows.append(i)
+        max_p, max_r = mp, mr
+    if rows:
+        batches.append(rows)
+    return [torch.tensor(b, dtype=torch.long) for b in batches]
+
+
 def _move_list(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
     """Move per-sample tensors, keeping rows that shared one tensor sharing one copy."""
     moved: dict[int, torch.Tensor] = {}

@@ -30,7 +30,7 @@ from mmrl.distributed import Dist
 from mmrl.logger import MetricsLogger, SilentLogger, say
 from mmrl.prompt_replay import PromptReplay
 from mmrl.rewards import Reward, build_reward
-from mmrl.rollout import Rollout
+from mmrl.rollout import Rollout, token_budget_batches
 
 
 def resolve_device(name: str) -> torch.device:
@@ -441,21 +441,46 @@ class Trainer:
             return adv
         return adv[mine, : rollout.mask.shape[1]] if adv.dim() == 2 else adv[mine]
 
-    def _micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
+    def row_sizes(self, rollout: Rollout) -> torch.Tensor | None:
+        """Each row's prompt and reply tokens [N, 2] when micro-batches are packed by length."""
+        return self.policy.row_tokens(rollout) if self.cfg.train.max_tokens_per_micro else None
+
+    def _micro_batches(self, idx: torch.Tensor, sizes: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Rows `idx` in forward/backward micro-batches: `train.micro_batch_size` rows each, or packed
+        by length under `train.max_tokens_per_micro` (`sizes`: `row_sizes` of the whole rollout)."""
         if len(idx) == 0:
             return []
-        size = self.cfg.train.micro_batch_size or len(idx)
-        return list(idx.split(size))
+        t = self.cfg.train
+        if not t.max_tokens_per_micro:
+            return list(idx.split(t.micro_batch_size or len(idx)))
+        batches = [idx[b.to(idx.device)] for b in token_budget_batches(sizes[idx], t.max_tokens_per_micro,
+                                                                        t.micro_batch_size)]
+        if self.dist.fsdp:  # FSDP's collectives need the same number of forwards on every rank
+            batches = split_largest(batches, distributed.all_max(self.dist, len(batches)))
+        return batches
+
+    def micro_part(self, rollout: Rollout, rows: torch.Tensor) -> Rollout:
+        """The rows of one micro-batch; packed by length, without the padding no row of it needs."""
+        part = rollout.select(rows)
+        return self.policy.trim_padding(part) if self.cfg.train.max_tokens_per_micro else part
 
     @torch.no_grad()
-    def in_micro_batches(self, n_rows: int, score: Callable[[torch.Tensor], Any]) -> Any:
-        """`score(rows)` over the update's micro-batches of `n_rows` rows, joined along the rows (a
-        tensor, or a dict of them): a pass without gradient (the old log-probs, the reference, the
-        certainty pass) then holds one micro-batch's activations, as the update itself does."""
-        parts = [score(rows) for rows in self._micro_batches(torch.arange(n_rows, device=self.device))]
+    def in_micro_batches(self, rollout: Rollout, score: Callable[[torch.Tensor], Any]) -> Any:
+        """`score(rows)` over the update's micro-batches of `rollout`, joined in row order (a tensor
+        [N, ...] or a dict of them; units past a micro-batch's trimmed width are 0): a pass without
+        gradient (the old log-probs, the reference, the certainty pass) then holds one micro-batch's
+        activations, as the update itself does."""
+        batches = self._micro_batches(torch.arange(len(rollout), device=self.device), self.row_sizes(rollout))
+        parts = [score(rows) for rows in batches]
+        order = torch.argsort(torch.cat(batches))
+        T = rollout.mask.shape[1]
+
+        def join(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([pad_units(x, T) for x in tensors])[order]
+
         if isinstance(parts[0], dict):
-            return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        return torch.cat(parts)
+            return {k: join([p[k] for p in parts]) for k in parts[0]}
+        return join(parts)
 
     def _optimizer_step(self) -> float:
         """Average the gradient over ranks, clip it, step the optimizer and the schedule; the pre-clip norm."""
@@ -618,8 +643,8 @@ class Trainer:
     def certainty_weights(self, rollout: Rollout, masked: Rollout, mask: torch.Tensor,
                           adv: torch.Tensor) -> torch.Tensor:
         """VL-Calibration's token weights of the advantages [N, T] from the rollout's visual certainty."""
-        scores = self.in_micro_batches(len(rollout), lambda rows: self.score_units(rollout.select(rows),
-                                                                                  masked.select(rows)))
+        scores = self.in_micro_batches(rollout, lambda rows: self.score_units(self.micro_part(rollout, rows),
+                                                                             self.micro_part(masked, rows)))
         certainty = algos.visual_certainty(scores["logp"], scores["logp_masked"], scores["entropy"], mask,
                                            group_ids=rollout.group_ids)
         return algos.certainty_token_weights(certainty, mask, advantages=adv, alpha=self.cfg.algo.certainty_reweight)
@@ -637,11 +662,13 @@ class Trainer:
         N = len(rollout)  # 0: a rank that kept no rows while others did (replicate mode); no forward
         if t.recompute_old_logp and N:
             with self.autocast:
-                old_logp = self.in_micro_batches(N, lambda rows: self.policy.logprobs(rollout.select(rows))[0])
+                old_logp = self.in_micro_batches(rollout, lambda rows: self.policy.logprobs(
+                    self.micro_part(rollout, rows))[0])
         ref_logp = None
         if a.beta > 0 and N:
             with self.autocast:
-                ref_logp = self.in_micro_batches(N, lambda rows: self.policy.reference_logprobs(rollout.select(rows)))
+                ref_logp = self.in_micro_batches(rollout, lambda rows: self.policy.reference_logprobs(
+                    self.micro_part(rollout, rows)))
         # One image mask per rollout, kept for every epoch of this update.
         masked = self.policy.mask_images(rollout, a.mask_prob, self.sample_gen) if a.masks_images and N else None
         if a.certainty_reweight > 0 and N:
@@ -649,7 +676,7 @@ class Trainer:
         correction_metrics = {}
         if self.cfg.rollout.correction != "none" and N:
             adv, correction_metrics = self.correct_mismatch(rollout, old_logp, mask, adv)
-        budget = self.unit_budget(rollout)
+        budget, sizes = self.unit_budget(rollout), self.row_sizes(rollout)
         sums: dict[str, float] = defaultdict(float)
         n_updates = 0
         self.policy.model.train()
@@ -667,10 +694,13 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 if guide_contexts and n_updates == 0:
                     sums["guide_loss"] += self.guidance_backward(guide_contexts)
-                for micro in self._micro_batches(mb):
+                for micro in self._micro_batches(mb, sizes):
+                    part = self.micro_part(rollout, micro)
+                    T = part.units.shape[1]  # trimmed under train.max_tokens_per_micro
                     loss, metrics = self.backward_micro(
-                        rollout.select(micro), None if masked is None else masked.select(micro), mask[micro],
-                        old_logp[micro], adv[micro], None if ref_logp is None else ref_logp[micro], denom)
+                        part, None if masked is None else self.micro_part(masked, micro), mask[micro, :T],
+                        old_logp[micro, :T], adv[micro] if adv.dim() == 1 else adv[micro, :T],
+                        None if ref_logp is None else ref_logp[micro, :T], denom)
                     sums["loss"] += loss
                     for k, v in metrics.items():
                         if k in SUMMED_TERMS:
@@ -863,6 +893,23 @@ class Trainer:
             for note in health.get("notes", []):
                 say(f"note: {note}")
         return results
+
+
+def split_largest(batches: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """`batches` split, the one with the most rows in halves each time, until there are `count`
+    (at most the number of rows): every FSDP rank then runs the same number of micro-batches."""
+    batches = list(batches)
+    while len(batches) < count:
+        i = max(range(len(batches)), key=lambda j: len(batches[j]))
+        batches[i:i + 1] = list(batches[i].tensor_split(2))
+    return batches
+
+
+def pad_units(x: torch.Tensor, T: int) -> torch.Tensor:
+    """`x` [n, t, ...] right-padded with zeros to t = T (a micro-batch trimmed to its longest reply)."""
+    if x.dim() < 2 or x.shape[1] >= T:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], T - x.shape[1], *x.shape[2:]))], 1)
 
 
 def group_contexts(rollout: Rollout, rows: torch.Tensor) -> list[Any]:

@@ -3,10 +3,10 @@
     torchrun --nproc_per_node 2 tests/dist_worker.py equivalence OUT_JSON
     torchrun --nproc_per_node 2 tests/dist_worker.py resume RUN_ROOT OUT_JSON
 
-`equivalence`: for each variant (aggregation mode, replicate or FSDP2, micro-batches, dynamic
-sampling), 3 training steps on 2 gloo ranks; rank 0 then replays the batches both ranks trained on,
-concatenated, through one single-process trainer from the same initial weights, and writes the
-largest weight difference. `resume`: a 2-rank run of 3 steps, and one of 2 steps resumed to 3.
+`equivalence`: for each variant (aggregation mode, replicate or FSDP2, micro-batches by rows or by
+tokens, dynamic sampling), 3 training steps on 2 gloo ranks; rank 0 then replays the batches both
+ranks trained on, concatenated, through one single-process trainer from the same initial weights,
+and writes the largest weight difference. `resume`: a 2-rank run of 3 steps, and one of 2 steps resumed to 3.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ if "test_digit_share_odd_answers" not in REWARDS:
 
 
 def make_cfg(out_dir: str, agg: str = "token-mean", fsdp: bool = False, micro: int = 0, dynamic: bool = False,
-             steps: int = 3, beta: float = 0.0):
+             steps: int = 3, beta: float = 0.0, tokens: int = 0):
     return config_from_dict({
         "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
                            "num_key_value_heads": 1}, "tokenizer_vocab_size": 280},
@@ -54,7 +54,8 @@ def make_cfg(out_dir: str, agg: str = "token-mean", fsdp: bool = False, micro: i
                  "beta": beta},
         "train": {"steps": steps, "prompts_per_step": 3, "lr": 3e-3, "min_lr_ratio": 1.0, "eval_every": 0,
                   "eval_size": 8, "progress": False, "output_dir": out_dir, "seed": 1, "fsdp": fsdp,
-                  "micro_batch_size": micro, "device": "cpu", "dist_timeout_s": 60},
+                  "micro_batch_size": micro, "max_tokens_per_micro": tokens, "device": "cpu",
+                  "dist_timeout_s": 60},
     })
 
 
@@ -79,6 +80,8 @@ def equivalence(out_json: str) -> None:
     variants = [dict(agg=agg, fsdp=fsdp, micro=3) for fsdp in (False, True) for agg in AGG_MODES]
     variants += [dict(agg="token-mean", fsdp=fsdp, micro=3, dynamic=True) for fsdp in (False, True)]
     variants += [dict(agg="seq-mean-token-mean", fsdp=True, micro=0, beta=0.1)]
+    # Micro-batches packed by length: the ranks pack different numbers (FSDP evens them out).
+    variants += [dict(agg="seq-mean-token-sum", fsdp=fsdp, tokens=24, dynamic=True) for fsdp in (False, True)]
     results = []
     for v in variants:
         cfg = make_cfg(UNUSED_DIR, **v)

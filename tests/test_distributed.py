@@ -42,8 +42,9 @@ def resumed(tmp_path_factory):
 def test_two_ranks_give_the_weights_of_one_rank_on_the_whole_batch(equivalence):
     """3 steps on 2 ranks (micro-batches of 3 rows, groups of 4) against one process updating on
     both ranks' batches concatenated: every aggregation mode, replicate and FSDP2, dynamic
-    sampling (ranks keep different numbers of groups, one none), FSDP with a reference model."""
-    assert len(equivalence) == 11
+    sampling (ranks keep different numbers of groups, one none), FSDP with a reference model, and
+    micro-batches packed by a token budget (a different number per rank)."""
+    assert len(equivalence) == 13
     for v in equivalence:
         assert v["moved"] > 1e-3, v  # training changed the weights, so equality means something
         # Both modes sum the same float32 numbers in another order than one process, and Adam

@@ -7,6 +7,7 @@ joined by config. The trainer calls only what is written here.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from mmrl.config import check_names
-from mmrl.rollout import Rollout
+from mmrl.rollout import Rollout, unit_spans
 
 
 @contextlib.contextmanager
@@ -168,6 +169,8 @@ class TextPolicyBase(PolicyBase):
 
     engine = None  # mmrl.policies.vllm_engine.VLLMEngine, else the in-process sampler
     GRADIENT_CHECKPOINTING = True  # Hugging Face models (causal LMs, Qwen-VLs and the action-token VLA)
+    TOKEN_BUDGET = True  # rows are left-padded prompts + right-padded replies (train.max_tokens_per_micro)
+    PROMPT_COLUMNS = ("prompt_ids", "prompt_mask")  # the extras [N, P] of the left-padded prompt
 
     def __init__(self, model: nn.Module, tokenizer, *, processor=None, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, max_new_tokens: int = 16):
@@ -216,6 +219,22 @@ class TextPolicyBase(PolicyBase):
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         with self.reference_module() as ref:
             return self._token_logprobs(ref, rollout.extras, rollout.units, False)[0]
+
+    def row_tokens(self, rollout: Rollout) -> torch.Tensor:
+        """Long [N, 2]: each row's prompt tokens and reply span (up to its last trained unit)."""
+        return torch.stack([rollout.extras["prompt_mask"].sum(1), unit_spans(rollout.mask)], 1)
+
+    def trim_padding(self, part: Rollout) -> Rollout:
+        """`part` without the prompt columns that are padding in every row (prompts are left-padded)
+        nor the unit columns after its longest reply: the same scores for a causal model, on fewer
+        positions."""
+        keep = part.extras["prompt_mask"].any(0).long()
+        first = int(keep.argmax()) if bool(keep.any()) else keep.numel()
+        T = max(1, int(unit_spans(part.mask).max())) if len(part) else part.units.shape[1]
+        cut = lambda t: None if t is None else t[:, :T]  # noqa: E731
+        extras = {k: v[:, first:] if k in self.PROMPT_COLUMNS else v for k, v in part.extras.items()}
+        return replace(part, units=cut(part.units), logp_old=cut(part.logp_old), mask=cut(part.mask),
+                       logp_beh=cut(part.logp_beh), extras=extras)
 
     def decode(self, rollout: Rollout) -> list[str]:
         rows = [u[m].tolist() for u, m in zip(rollout.units.cpu(), rollout.mask.cpu())]

@@ -100,6 +100,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
     override its fields (or build it alone)."""
 
     can_mask_images = True  # on the camera frames its rollouts keep per chunk (`mask_images`)
+    TOKEN_BUDGET = False  # a row is an episode of per-chunk observations, not one prompt + reply
 
     PARAMS = ACTION_VLA_PARAMS
 
