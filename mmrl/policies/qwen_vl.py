@@ -15,7 +15,9 @@ What makes sampled and teacher-forced log-probs agree (tests/test_qwen_vl_policy
 * Prompts are left-padded; the completion has `mm_token_type_ids` 0; training runs `use_cache=False`.
 
 Vision inputs are ragged (a flat `[patches, D]` tensor per image), so the rollout keeps them as
-per-sample lists (`Rollout.extras` list values), shared by the G samples of a context. Sampling
+per-sample lists (`Rollout.extras` list values), shared by the G samples of a context. Teacher
+forcing encodes each distinct image of a micro-batch once and copies its features to the rows that
+use it (`vision_language_hidden`), so the vision tower runs once per image, not once per row. Sampling
 prefills each context once with the HF forward (vision + prompt) and repeats its KV cache for the G
 samples. Every later token is text, whose mRoPE is plain RoPE at its position, so the lean
 static-cache decoder of the text policies (`fast_decode.FastDecoder`) takes over from there; the HF
@@ -88,6 +90,106 @@ def vision_inputs(pixel_values: list[torch.Tensor], image_grid_thw: list[torch.T
             "image_grid_thw": torch.cat([image_grid_thw[i] for i in keep])}
 
 
+def _joined_grids(image_grid_thw: list[torch.Tensor]) -> torch.Tensor | None:
+    """The rows' `image_grid_thw` joined in row order (None when no row has an image)."""
+    grids = [g for g in image_grid_thw if g.numel()]
+    return torch.cat(grids) if grids else None
+
+
+_PROBES = 16  # values per image in `distinct_images`'s fingerprints
+
+
+def distinct_images(pixel_values: list[torch.Tensor], image_grid_thw: list[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    """The distinct images among the rows' vision lists: their flat patches [P_u, D] and grids
+    [U, 3] (in order of first use), and for every image of every row, in row order (the order of
+    the rows' image placeholders), the index of its distinct image. None when no row has an image.
+
+    Two images are one when their patches are equal, found cheaply:
+    1. Same memory: patch tensors with the same data pointer, shape, strides, dtype and device (and
+       grid) are one image without looking at the values. The G rows of a prompt share one tensor
+       object (`repeat_rows`; `Rollout.select` / `to` / `concat` keep the sharing): the usual case.
+    2. Otherwise exact equality (`torch.equal`), tried only between images of the same shape, dtype
+       and grid whose fingerprints (`_PROBES` values at fixed positions, fetched for all images in
+       one transfer) agree, so distinct images cost no pairwise comparison and equal copies (rows
+       that lost the sharing) one each. Never approximate: a row whose pixels differ anywhere (PAPO's
+       per-row masked copies, `mask_images`) keeps its own image."""
+    grids = _joined_grids(image_grid_thw)
+    if grids is None:
+        return None
+    grid_list = [tuple(g) for g in grids.tolist()]  # one host sync for all rows
+    # 1. One entry per distinct memory region: (patches, grid, its row in `grids`).
+    regions: list[tuple[torch.Tensor, tuple, int]] = []
+    by_memory: dict[tuple, int] = {}
+    region_of: list[int] = []  # per image, in placeholder order
+    k = 0
+    for pixels, g in zip(pixel_values, image_grid_thw):
+        if not g.numel():
+            continue
+        mine = grid_list[k:k + len(g)]
+        for img, grid in zip(pixels.split([t * h * w for t, h, w in mine]), mine):
+            key = (img.data_ptr(), tuple(img.shape), img.stride(), img.dtype, img.device, grid)
+            if key not in by_memory:
+                by_memory[key] = len(regions)
+                regions.append((img, grid, k))
+            region_of.append(by_memory[key])
+            k += 1
+    # 2. Regions with equal values are one image: fingerprints first, then exact comparison.
+    rep_of = list(range(len(regions)))
+    if len(regions) > 1:
+        probes = torch.stack([img.reshape(-1)[torch.linspace(0, img.numel() - 1, _PROBES, device=img.device).long()]
+                              .float() for img, _, _ in regions]).tolist()
+        buckets: dict[tuple, list[int]] = {}
+        for r, ((img, grid, _), probe) in enumerate(zip(regions, probes)):
+            same = buckets.setdefault((tuple(img.shape), img.dtype, img.device, grid, tuple(probe)), [])
+            match = next((c for c in same if torch.equal(regions[c][0], img)), None)
+            if match is None:
+                same.append(r)
+            else:
+                rep_of[r] = match
+    # Distinct images in order of first use.
+    order: dict[int, int] = {}
+    index = [order.setdefault(rep_of[r], len(order)) for r in region_of]
+    reps = list(order)
+    return torch.cat([regions[r][0] for r in reps]), grids[[regions[r][2] for r in reps]], index
+
+
+def vision_language_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           position_ids: torch.Tensor, pixel_values: list[torch.Tensor],
+                           image_grid_thw: list[torch.Tensor]) -> torch.Tensor:
+    """The final hidden states [B, S, H] of a Qwen-VL's body (vision tower + language model, through a
+    PEFT wrapper too) for rows with per-row vision lists, running the vision tower once per distinct
+    image (`distinct_images`): the G rows of a prompt share its image, whose features are computed
+    once, with autograd, and copied (`index_select`) to each row's image placeholders, so the tower's
+    backward also runs once, with the rows' gradients summed. The same values and gradients as the
+    HF forward on the rows' joined `pixel_values`, which would encode each image once per row.
+
+    What the HF forward does otherwise: input embeddings with the image features scattered onto the
+    `<|image_pad|>` positions (`get_placeholder_mask`, which checks the counts), then the language
+    model at the explicit 3-D positions; Qwen3-VL's deepstack features go to the same positions."""
+    body = causal_body(model)
+    embeds = body.get_input_embeddings()(input_ids)
+    extra = {}
+    distinct = distinct_images(pixel_values, image_grid_thw)
+    if distinct is not None:
+        pixels, grids, index = distinct
+        out = body.get_image_features(pixels, grids, return_dict=True)
+        per_image = out.pooler_output  # one [tokens, H] per distinct image
+        starts = np.cumsum([0] + [f.shape[0] for f in per_image])
+        # Rows of the distinct images' joined features, image by image in placeholder order.
+        take = torch.from_numpy(np.concatenate([np.arange(starts[u], starts[u + 1]) for u in index]))
+        take = take.to(embeds.device)
+        feats = torch.cat(per_image).to(embeds.device, embeds.dtype).index_select(0, take)
+        mask, _ = body.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=feats)
+        embeds = embeds.masked_scatter(mask, feats)
+        deepstack = getattr(out, "deepstack_features", None)
+        if deepstack:  # Qwen3-VL: added to the image positions' hidden states of the first layers
+            extra = {"visual_pos_masks": mask[..., 0],
+                     "deepstack_visual_embeds": [d.to(embeds.device).index_select(0, take) for d in deepstack]}
+    return body.language_model(input_ids=None, inputs_embeds=embeds, attention_mask=attention_mask,
+                               position_ids=position_ids, use_cache=False, **extra).last_hidden_state
+
+
 class VLStepper:
     """Next-token logits for `sample_tokens`: vision inputs and mRoPE positions at prefill, which runs
     once per context (rows `::group_size` of the repeated prompts); the KV cache is then repeated.
@@ -137,6 +239,8 @@ class VLStepper:
 
 class QwenVLPolicy(TextPolicyBase):
     PARAMS = frozenset(POLICY_PARAMS | BUILD_PARAMS)
+    PROMPT_COLUMNS = ("prompt_ids", "prompt_mask", "mm_token_type_ids")
+
     def __init__(self, model: nn.Module, processor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  max_new_tokens: int = 16, image_key: str = "frame", prompt_key: str = "prompt",
                  target_key: str = "target", target_join: str = " ", system_prompt: str | None = None,
@@ -324,12 +428,12 @@ class QwenVLPolicy(TextPolicyBase):
         ids = torch.cat([extras["prompt_ids"], units], 1)
         attn = torch.cat([extras["prompt_mask"], torch.ones_like(units)], 1)
         mm = torch.cat([extras["mm_token_type_ids"], torch.zeros_like(units)], 1)  # the completion is text
-        vision = vision_inputs(extras["pixel_values"], extras["image_grid_thw"])
-        pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
-        # The final hidden states of the T positions that predict a unit of the window, through the
-        # output head a chunk of tokens at a time: no [N, T, V] logits.
-        hidden = causal_body(model)(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm,
-                                    use_cache=False, **vision).last_hidden_state[:, -(T + 1):-1]
+        pixels, grids = extras["pixel_values"], extras["image_grid_thw"]
+        pos = rope_positions(model, ids, attn, mm, _joined_grids(grids))
+        # The final hidden states of the T positions that predict a unit of the window (the vision
+        # tower runs once per distinct image, not once per row), through the output head a chunk of
+        # tokens at a time: no [N, T, V] logits.
+        hidden = vision_language_hidden(model, ids, attn, pos, pixels, grids)[:, -(T + 1):-1]
         head = model.get_output_embeddings()
         suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=hidden.device)
         return head_logprobs(hidden, head.weight, units[:, start:], bias=head.bias, suppress=suppress,
