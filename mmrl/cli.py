@@ -113,6 +113,12 @@ def cmd_algos(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from mmrl.plan import main as plan_main
+
+    return plan_main(args)
+
+
 def cmd_caption_filter(argv: list[str]) -> int:
     from mmrl.envs.captioning.filter import main as filter_main
 
@@ -164,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
                    f"the copy lerobot's hf-libero uses) or a local folder to copy (a LIBERO checkout's "
                    f"libero/libero/assets)")
     p.set_defaults(fn=cmd_fetch_assets)
+    p = sub.add_parser("plan", help="predict the peak GPU memory per phase of a config at full depth (replicated "
+                       "and FSDP) and the largest train.max_tokens_per_micro that fits (bench/real_shapes.json)")
+    p.add_argument("config")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs the run spreads over (default 1)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
+    p.add_argument("--measurements", help="the bench's JSON (default: bench/real_shapes.json)")
+    p.add_argument("--json", action="store_true", help="also print the plan as one JSON line")
+    p.set_defaults(fn=cmd_plan)
     sub.add_parser("caption-filter", help="CapRL's with/without-image QA filter (own arguments: -h)")
     sub.add_parser("caption-eval", help="Prism-style caption eval with a before/after gallery (own arguments: -h)")
     argv = list(sys.argv[1:] if argv is None else argv)

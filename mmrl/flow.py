@@ -13,15 +13,25 @@ estimate, the score is -eps_hat / t, and the step is
 
     mean = x + [v + s^2 / (2t) (x + (1 - t) v)] dt,   std = s sqrt(-dt),   s = eta sqrt(t / (1 - t)).
 
+This is Flow-GRPO's `sde_step_with_logprob` term for term (tested against a re-implementation of it
+on a shifted grid).
+
 Edges, and what we do about them:
 * s^2 / (2t) = eta^2 / (2 (1 - t)): t cancels, so t = 0 needs no guard (the drift is computed in this
   form).
-* At t = 1, 1 - t = 0 and s is infinite. We replace 1 - t by max(1 - t, -dt) (in s and in the drift).
-  Every step that starts at t <= 1 - |dt| is unchanged; the first step from t = 1 sees the noise level
-  of t = 1 - |dt|, which is Flow-GRPO's own clamp (sigma_max = the second timestep) on uniform
-  schedules.
+* At t = 1, 1 - t = 0 and s is infinite. There (and only there) we replace 1 - t by -dt = 1 - t_next,
+  in s and in the drift's s^2 / (2t); the (1 - t) v term keeps its exact 0. This is Flow-GRPO's own
+  clamp, `1 - where(sigma == 1, sigma_max, sigma)` with sigma_max = sigmas[1], the grid's second
+  time: only a step from t = 1 is the first step of a grid, so its t_next is sigmas[1]. Every step
+  from t < 1 uses the exact 1 - t, on uniform and shifted grids alike.
 * eta = 0 makes std 0: the step is the ODE step and has no density. `sde_step` allows it (the mean is
   still right) but `gaussian_logprob` refuses a zero std.
+
+The log-prob of a step is the per-element MEAN of the Gaussian's log-density over the latent (or
+chunk), as Flow-GRPO (`log_prob.mean(dim=tuple(range(1, log_prob.ndim)))`), DanceGRPO and DPPO
+(its per-element log-probs averaged over the action chunk) compute it, so the PPO ratio's scale does
+not grow with the latent's size: a sum over N elements would move the log-ratio N times as far
+for the same per-element change. `gaussian_logprob(..., reduce="sum")` gives the full density.
 
 DanceGRPO (arXiv 2505.07818) uses the same reverse SDE with a constant noise level s = eta
 (`noise_schedule="constant"`): std = eta sqrt(-dt), drift term eta^2 / (2t) (x + (1 - t) v).
@@ -41,7 +51,8 @@ the DDIM step with noise level eta from alpha_bar_t to alpha_bar_prev,
 eta = 1 is DDPM's posterior q(x_prev | x_t, x0) (with "fixed_small" variance), for any step spacing;
 eta = 0 is the deterministic DDIM sampler. DPPO's floor `min_std` keeps exploring where the chain's
 own noise vanishes and gives the last step (ab_prev = 1, var = 0) a density. The log-prob is
-`gaussian_logprob`, shared with the flow steps.
+`gaussian_logprob` (the per-element mean, as DPPO's code takes it; DPPO also clamps each element's
+log-prob to [-5, 2] before the mean, which the diffusion policy does not), shared with the flow steps.
 """
 
 from __future__ import annotations
@@ -51,12 +62,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+LOGPROB_REDUCTIONS = ("mean", "sum")  # gaussian_logprob: per-element mean (Flow-GRPO, DPPO) or the full density
 NOISE_SCHEDULES = ("flow_grpo", "constant")  # s = eta sqrt(t / (1 - t)) (Flow-GRPO), s = eta (DanceGRPO)
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, ...], t [B]) -> v [B, ...]
 
 PREDICTION_TYPES = ("epsilon", "sample", "v_prediction")  # what a diffusion model's output is (diffusers' names)
 
 __all__ = [
+    "LOGPROB_REDUCTIONS",
     "NOISE_SCHEDULES",
     "PREDICTION_TYPES",
     "diffusion_chain",
@@ -93,7 +106,7 @@ def flow_timesteps(num_steps: int, shift: float = 1.0, t_max: float = 1.0, t_min
         raise ValueError(f"shift must be > 0, got {shift}")
     t = torch.linspace(t_max, t_min, num_steps + 1, dtype=torch.float64)
     if shift != 1.0:
-        t = shift * t / (1 + (shift - 1) * t)
+        t = (shift * t / (1 + (shift - 1) * t)).clamp(max=1.0)  # t = 1 stays exactly 1 (the sde_step guard)
     return t.to(torch.float32).to(device)
 
 
@@ -117,7 +130,8 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, t: float | torch.Tensor, dt: floa
     tt, dtt = _broadcast_time(t, x), _broadcast_time(dt, x)
     if bool((dtt >= 0).any()):
         raise ValueError("dt must be < 0: the sampler integrates from t = 1 (noise) to t = 0 (data)")
-    one_minus_t = torch.maximum(1 - tt, -dtt)  # the t = 1 guard (module docstring)
+    # the t = 1 guard (module docstring): Flow-GRPO's sigma_max clamp there, the exact 1 - t elsewhere
+    one_minus_t = torch.where(tt >= 1, -dtt, 1 - tt)
     if noise_schedule == "flow_grpo":
         s2 = eta ** 2 * tt / one_minus_t  # s^2
         half_s2_over_t = eta ** 2 / (2 * one_minus_t)  # s^2 / (2t) written without 1/t
@@ -132,15 +146,21 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, t: float | torch.Tensor, dt: floa
 
 
 def gaussian_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor | float,
-                     reduce_dims: Sequence[int] | None = None) -> torch.Tensor:
-    """log N(x_next; mean, std^2), summed over `reduce_dims` (default: every dim but the first) -> [B]."""
+                     reduce_dims: Sequence[int] | None = None, reduce: str = "mean") -> torch.Tensor:
+    """log N(x_next; mean, std^2) per element, averaged (`reduce="mean"`, Flow-GRPO's and DPPO's
+    per-element mean: module docstring) or summed (`"sum"`, the full density) over `reduce_dims`
+    (default: every dim but the first) -> [B]."""
+    if reduce not in LOGPROB_REDUCTIONS:
+        raise ValueError(f"unknown reduce {reduce!r}; valid: {', '.join(LOGPROB_REDUCTIONS)}")
     std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
     if bool((std <= 0).any()):
         raise ValueError("std must be > 0 for a log-prob (eta = 0 makes the step deterministic)")
     z = (x_next - mean) / std
     logp = -0.5 * z.pow(2) - std.log() - 0.5 * math.log(2 * math.pi)
     dims = tuple(range(1, x_next.dim())) if reduce_dims is None else tuple(reduce_dims)
-    return logp.sum(dims) if dims else logp
+    if not dims:
+        return logp
+    return logp.mean(dims) if reduce == "mean" else logp.sum(dims)
 
 
 def _check_timesteps(timesteps: torch.Tensor) -> torch.Tensor:

@@ -137,3 +137,32 @@ def test_video_rollout_bench_smoke():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["max_abs_diff"] < 1e-4
     assert result["speedup"] == pytest.approx(result["cached_chunks_per_s"] / result["recompute_chunks_per_s"], rel=1e-6)
+
+
+def test_memory_bench_smoke():
+    """bench/memory.py: one tiny GRPO step each for mmrl (reference and recompute passes on) and
+    TRL at Qwen2.5's vocabulary, each side in its own process; the JSON line carries both."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory.py"), "--smoke"], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["vocab"] == 151_936
+    assert {r["side"] for r in result["runs"]} == {"mmrl", "trl"}
+    assert all(r["step_mib"] >= 0 and r["tokens"] > 0 for r in result["runs"])
+
+
+def test_real_shapes_bench_smoke():
+    """bench/real_shapes.py --smoke: the real-shapes path (model folder saved, loaded through the
+    config, one steady-state RL step per child process) at tiny widths; every phase has its peak."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "real_shapes.py"), "--smoke"], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = result["models"]["qwen2_5_vl_3b"]["runs"]
+    assert [(r["layers"], r["size"]) for r in runs] == [(1, "a"), (2, "b")]
+    for r in runs:
+        assert r["static_mib"] > 0 and r["params"] > 0
+        for phase in ("sampling", "old_ref", "update"):
+            assert r["peak_mib"][phase] >= r["static_mib"] - 1, (phase, r)
+            assert r["n"][phase] > 0
+    assert runs[1]["n"]["sampling"] > runs[0]["n"]["sampling"]

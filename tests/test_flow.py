@@ -35,16 +35,106 @@ def test_small_eta_mean_is_the_euler_step():
         gaussian_logprob(x_next, mean, std)
 
 
-def test_logprob_is_the_normal_density_summed():
+def test_logprob_is_the_normal_density_averaged_over_elements():
     g = torch.Generator().manual_seed(1)
     x, v = torch.randn(4, 8, 7, generator=g), torch.randn(4, 8, 7, generator=g)
     t = torch.tensor([1.0, 0.7, 0.4, 0.2])  # per-sample times, t = 1 included (the guard)
     x_next, mean, std = sde_step(x, v, t, -0.1, eta=0.7, generator=g)
     assert torch.isfinite(mean).all() and bool((std > 0).all())
-    ref = torch.distributions.Normal(mean, std.expand_as(mean)).log_prob(x_next).sum((1, 2))
-    assert torch.allclose(gaussian_logprob(x_next, mean, std), ref, atol=1e-4)
+    per_element = torch.distributions.Normal(mean, std.expand_as(mean)).log_prob(x_next)
+    # Flow-GRPO's and DanceGRPO's per-element mean (the default), and the full density on request
+    assert torch.allclose(gaussian_logprob(x_next, mean, std), per_element.mean((1, 2)), atol=1e-5)
+    assert torch.allclose(gaussian_logprob(x_next, mean, std, reduce="sum"), per_element.sum((1, 2)), atol=1e-4)
+    assert torch.allclose(gaussian_logprob(x_next, mean, std, reduce_dims=(2,)), per_element.mean(2), atol=1e-5)
+    with pytest.raises(ValueError, match="unknown reduce 'max'; valid: mean, sum"):
+        gaussian_logprob(x_next, mean, std, reduce="max")
     with pytest.raises(ValueError, match="dt must be < 0"):
         sde_step(x, v, 0.5, 0.1, eta=0.7)
+
+
+def _upsample(y: torch.Tensor) -> torch.Tensor:
+    """[B, K+1, C, F, H, W] or [B, C, F, H, W]: every pixel repeated 2 x 2 (the same video at twice the size)."""
+    return y.repeat_interleave(2, -1).repeat_interleave(2, -2)
+
+
+def test_log_ratios_do_not_depend_on_the_latent_size():
+    """The same video at twice the latent size (each element repeated 2 x 2, the same per-element
+    velocity) gives the same step log-probs and so the same PPO ratios: the per-element mean. The
+    sum would multiply every log-ratio by 4."""
+    ts = flow_timesteps(4, shift=5.0)
+
+    def velocity(scale: float):  # pointwise in x, so the upsampled latent gets the upsampled velocity
+        return lambda x, t: scale * torch.tanh(x) - (1 - t.view(-1, 1, 1, 1, 1)) * x
+
+    old, new = velocity(1.0), velocity(1.05)
+    x_T = torch.randn(3, 2, 2, 4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        states, logp_old = sample_sde(old, x_T, ts, eta=0.7, generator=torch.Generator().manual_seed(1))
+    big = _upsample(states)
+    assert big.shape == (3, 5, 2, 2, 8, 8)
+    ratios = {}
+    for name, st in (("small", states), ("big", big)):
+        lo, ln = recompute_logprobs(old, st, ts, eta=0.7), recompute_logprobs(new, st, ts, eta=0.7)
+        ratios[name] = (ln - lo).exp()
+        assert torch.allclose(lo, logp_old, atol=1e-10)  # the same log-probs at both sizes
+    assert (ratios["small"] - 1).abs().max() > 1e-3  # the perturbation moves the ratios
+    assert torch.allclose(ratios["big"], ratios["small"], atol=1e-10)
+    # What the sum did: the bigger latent's log-ratio 4 times the smaller's (first step, from t = 1).
+    t0, dt0 = ts[:1].double().expand(3), float(ts[1] - ts[0])
+
+    def sum_log_ratio(st):
+        (_, m_old, std), (_, m_new, _) = (sde_step(st[:, 0], f(st[:, 0], t0), 1.0, dt0, 0.7) for f in (old, new))
+        return (gaussian_logprob(st[:, 1], m_new, std, reduce="sum")
+                - gaussian_logprob(st[:, 1], m_old, std, reduce="sum"))
+
+    assert torch.allclose(sum_log_ratio(big), 4 * sum_log_ratio(states), atol=1e-8)
+
+
+def _flow_grpo_sde_step(sample, model_output, sigmas, index, noise_level, prev_sample):
+    """Flow-GRPO's `sde_step_with_logprob` (flow_grpo/diffusers_patch/sd3_sde_with_logprob.py,
+    yifan123/flow_grpo), re-implemented here for the test: (prev_sample_mean, std, log_prob)."""
+    sigma, sigma_prev = sigmas[index], sigmas[index + 1]
+    sigma_max = sigmas[1]
+    dt = sigma_prev - sigma
+    std_dev_t = math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) * noise_level
+    prev_sample_mean = (sample * (1 + std_dev_t ** 2 / (2 * sigma) * dt)
+                        + model_output * (1 + std_dev_t ** 2 * (1 - sigma) / (2 * sigma)) * dt)
+    std = std_dev_t * math.sqrt(-dt)
+    log_prob = (-((prev_sample - prev_sample_mean) ** 2) / (2 * std ** 2) - math.log(std)
+                - math.log(math.sqrt(2 * math.pi)))
+    return prev_sample_mean, std, log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+
+
+def test_sde_step_is_flow_grpos_step_on_a_shifted_grid():
+    """On the shifted grid of configs/video_wan_gpu.yaml (4 steps, shift 5) every step's mean, std
+    and log-prob equal Flow-GRPO's own formula: the exact 1 - t for t < 1, its sigma_max clamp at t = 1."""
+    shift, eta = 5.0, 0.7
+    sigmas = [shift * u / (1 + (shift - 1) * u) for u in (1.0, 0.75, 0.5, 0.25, 0.0)]  # SD3's time shift
+    grid = torch.tensor(sigmas, dtype=torch.float64)
+    assert torch.allclose(flow_timesteps(4, shift=shift).double(), grid, atol=1e-7) and sigmas[0] == 1.0
+    g = torch.Generator().manual_seed(0)
+    B = 3
+    x = torch.randn(B, 4, 2, 3, 3, generator=g, dtype=torch.float64)
+    for k in range(4):
+        v = torch.randn(x.shape, generator=g, dtype=torch.float64)
+        x_next, mean, std = sde_step(x, v, sigmas[k], sigmas[k + 1] - sigmas[k], eta, generator=g)
+        ref_mean, ref_std, ref_logp = _flow_grpo_sde_step(x, v, sigmas, k, eta, x_next)
+        assert (mean - ref_mean).abs().max() < 1e-6, k
+        assert abs(float(std) - ref_std) < 1e-6, (k, float(std), ref_std)
+        assert (gaussian_logprob(x_next, mean, std) - ref_logp).abs().max() < 1e-6, k
+        x = x_next
+    # The step from t = 0.9375 (1 - t = 0.0625 < |dt| = 0.104): the exact std, no longer 1 - t floored at -dt.
+    _, _, std = sde_step(x, x, sigmas[1], sigmas[2] - sigmas[1], eta)
+    assert float(std) == pytest.approx(0.875, abs=1e-3)
+    # Per-sample times mixing t = 1 and t < 1 in one call (the batched recompute's layout) take each rule.
+    t = torch.tensor(sigmas[:4], dtype=torch.float64)
+    dt = torch.tensor(sigmas[1:], dtype=torch.float64) - t
+    xs = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    vs = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    _, mean, std = sde_step(xs, vs, t, dt, eta, noise=torch.zeros_like(xs))
+    for k in range(4):
+        ref_mean, ref_std, _ = _flow_grpo_sde_step(xs[k:k + 1], vs[k:k + 1], sigmas, k, eta, xs[k:k + 1])
+        assert (mean[k] - ref_mean[0]).abs().max() < 1e-6 and abs(float(std[k]) - ref_std) < 1e-6, k
 
 
 def test_constant_noise_schedule_is_dancegrpo_step():

@@ -22,7 +22,8 @@ patching), hence at most `rope_max_seq_len * patch_t` latent frames; past that a
 
 Cost note: the one-pass forms use SDPA with an explicit [S_q, S_k] boolean mask (S = all tokens,
 2S for teacher forcing) and per-token modulation (Wan 2.2 style); at full Wan sizes that is GBs of mask
-and modulation activations, where a FlexAttention block mask or gradient checkpointing helps.
+and modulation activations, where a FlexAttention block mask or gradient checkpointing
+(`enable_gradient_checkpointing`, train.gradient_checkpointing) helps.
 """
 
 from __future__ import annotations
@@ -301,6 +302,15 @@ class CausalWan(nn.Module):
                     continue
                 proc = proc.fallback
             block.attn1.set_processor(CausalSelfAttnProcessor(i, proc))
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute every block in the backward instead of keeping its activations (diffusers'
+        switch on the stock transformer: non-reentrant `torch.utils.checkpoint`); `_blocks` takes it
+        only under gradients. Same values and gradients."""
+        self.transformer.enable_gradient_checkpointing()
+
+    def disable_gradient_checkpointing(self) -> None:
+        self.transformer.disable_gradient_checkpointing()
 
     @property
     def num_layers(self) -> int:

@@ -85,6 +85,7 @@ class VideoGenPolicy(FlowPolicyBase):
     """`model` is the `CausalWan` (trained); the text encoder (UMT5) and the VAE are frozen."""
 
     PARAMS = param_names(VideoGenConfig)
+    GRADIENT_CHECKPOINTING = True  # the Wan blocks (`CausalWan.enable_gradient_checkpointing`)
 
     @classmethod
     def check_params(cls, params: dict) -> None:
@@ -107,6 +108,14 @@ class VideoGenPolicy(FlowPolicyBase):
         self.timesteps = flow_timesteps(c.num_steps, shift=c.shift)
         self._text: dict[str, torch.Tensor] = {}
         self.reference = None
+
+    def enable_gradient_checkpointing(self) -> None:
+        """train.gradient_checkpointing: diffusers' switch on the Wan transformer (non-reentrant
+        `torch.utils.checkpoint`), which `CausalWan._blocks` honours for every pass under gradients
+        (teacher-forced log-probs, KVPO's replay, SFT); sampling under no_grad keeps no activations
+        anyway and runs the blocks plainly. The cache a chunk writes is snapshotted before its
+        blocks run, so a recompute sees the cache as the forward did. Same values and gradients."""
+        self.model.enable_gradient_checkpointing()
 
     # ------------------------------------------------------------------ construction
 

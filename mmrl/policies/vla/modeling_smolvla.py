@@ -16,6 +16,10 @@ executed per `step_chunk`. Observations reach the model through lerobot's own pr
 (tokenise the instruction, normalise the state) and the actions leave through its post-processor
 (unnormalise), so a pretrained SmolVLA and its dataset statistics work unchanged.
 
+`train.gradient_checkpointing` recomputes each joint VLM/expert layer of lerobot's layer loop in
+the backward (`enable_smolvla_gradient_checkpointing`): the prefix and every denoising step keep
+only their layer inputs, with the same log-probs and gradients; sampling is unchanged.
+
 Offline tiny models (tests, CPU demo): `build_tiny_smolvla` writes a tiny SmolVLM folder (config,
 processor config, tokenizer) and builds SmolVLA on it with `load_vlm_weights=False`; given a local
 folder, lerobot makes no network call.
@@ -27,7 +31,9 @@ are read by `mmrl.policies.vla.processor.parse_sft_context`, the same reader as 
 from __future__ import annotations
 
 import shutil
+import types
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +139,122 @@ def load_smolvla(path: str | Path, device: str = "cpu"):
                         preprocessor_overrides={"tokenizer_processor": {"tokenizer_name": str(vlm)}})
 
 
+# ----------------------------------------------------------------------------- gradient checkpointing
+
+
+class _LayerCache:
+    """The view of lerobot's KV cache (`DynamicCache`) that its per-layer attention functions use
+    (`update(k, v, layer_idx)` appends, `layers[i].keys/values` reads), for one layer and built from
+    the tensors it held before the layer ran. It keeps nothing across calls, so a checkpointed
+    layer's recompute sees the cache as the forward did; the layer's new K/V are left in `new` for
+    the caller to write into the real cache, outside the checkpoint."""
+
+    def __init__(self, layer_idx: int, keys: torch.Tensor | None, values: torch.Tensor | None, truthy: bool):
+        self.layers = {layer_idx: types.SimpleNamespace(keys=keys, values=values)}
+        self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._truthy = truthy  # lerobot's cross-attention layers test `not past_key_values`
+
+    def __bool__(self) -> bool:
+        return self._truthy
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.new = (keys, values)
+        past = self.layers[layer_idx]
+        if past.keys is None:
+            return keys, values
+        return torch.cat([past.keys, keys], dim=-2), torch.cat([past.values, values], dim=-2)
+
+
+def _joint_layer(vwe, model_layers, layer_idx: int, self_attn: bool, inputs_embeds: list, position_ids,
+                 attention_mask, batch_size: int, head_dim: int, use_cache, has_cache: bool, truthy: bool,
+                 past_keys, past_values):
+    """One layer of `SmolVLMWithExpertModel.forward` (VLM and expert streams together): the joint
+    attention through lerobot's own `forward_attn_layer` / `forward_cross_attn_layer` against a
+    `_LayerCache`, then each stream's o_proj, residual and MLP as lerobot's loop writes them.
+    Returns (the streams' outputs, the new (k, v) to append to the cache, or (None, None))."""
+    cache = _LayerCache(layer_idx, past_keys, past_values, truthy) if has_cache else None
+    attend = vwe.forward_attn_layer if self_attn else vwe.forward_cross_attn_layer
+    att_outputs, _ = attend(model_layers, inputs_embeds, layer_idx, position_ids, attention_mask, batch_size,
+                            head_dim, use_cache=use_cache, past_key_values=cache)
+    outputs_embeds, start = [], 0
+    for i, hidden_states in enumerate(inputs_embeds):
+        layer = model_layers[i][layer_idx]
+        att_output = att_outputs[i] if i < len(att_outputs) else att_outputs[0]  # in case of self_attn
+        if hidden_states is None:
+            outputs_embeds.append(None)
+            continue
+        if layer is None:
+            outputs_embeds.append(hidden_states)
+            continue
+        end = start + hidden_states.shape[1]
+        if att_output.dtype != layer.self_attn.o_proj.weight.dtype:
+            att_output = att_output.to(layer.self_attn.o_proj.weight.dtype)
+        out_emb = layer.self_attn.o_proj(att_output[:, start:end])
+        out_emb += hidden_states
+        after_first_residual = out_emb.clone()
+        out_emb = layer.mlp(layer.post_attention_layernorm(out_emb))
+        out_emb += after_first_residual
+        outputs_embeds.append(out_emb)
+        start = end if len(att_outputs) == 1 else 0
+    new = cache.new if cache is not None and cache.new is not None else (None, None)
+    return outputs_embeds, new
+
+
+def _checkpointed_forward(vwe, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                          use_cache=None):
+    """`SmolVLMWithExpertModel.forward` with every joint layer under `torch.utils.checkpoint`
+    (non-reentrant) when gradients are on; lerobot's own forward otherwise (sampling). The KV cache
+    is read before and written after each checkpointed layer, so recomputing a layer in the
+    backward neither sees a later cache state nor appends to it again."""
+    if not torch.is_grad_enabled():
+        return type(vwe).forward(vwe, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+    from torch.utils import checkpoint as ckpt
+    from transformers import DynamicCache
+
+    models = [vwe.get_vlm_model().text_model, vwe.lm_expert]
+    model_layers = vwe.get_model_layers(models)
+    batch_size = [h for h in inputs_embeds if h is not None][-1].shape[0]
+    fill_kv_cache = use_cache and past_key_values is None
+    if fill_kv_cache:
+        past_key_values = DynamicCache()
+    head_dim = vwe.vlm.config.text_config.head_dim
+    for layer_idx in range(vwe.num_vlm_layers):
+        self_attn = bool(fill_kv_cache or "cross" not in vwe.attention_mode
+                         or (vwe.self_attn_every_n_layers > 0 and layer_idx % vwe.self_attn_every_n_layers == 0))
+        past_keys = past_values = None
+        has_cache = past_key_values is not None
+        if has_cache and layer_idx < len(past_key_values.layers):
+            held = past_key_values.layers[layer_idx]
+            if getattr(held, "is_initialized", True) and held.keys is not None:
+                past_keys, past_values = held.keys, held.values
+        inputs_embeds, (k, v) = ckpt.checkpoint(
+            _joint_layer, vwe, model_layers, layer_idx, self_attn, inputs_embeds, position_ids, attention_mask,
+            batch_size, head_dim, use_cache, has_cache, bool(past_key_values) if has_cache else False,
+            past_keys, past_values, use_reentrant=False)
+        if k is not None:
+            past_key_values.update(k, v, layer_idx)
+    outputs_embeds = [None if h is None else models[i].norm(h) for i, h in enumerate(inputs_embeds)]
+    return outputs_embeds, past_key_values
+
+
+def enable_smolvla_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute, in the backward, every joint VLM/expert layer of a lerobot SmolVLA (its own layer
+    loop, `_checkpointed_forward`) and every layer of its vision encoder (Hugging Face's switch,
+    which acts while that encoder trains: `freeze_vision_encoder: false`). Only under gradients:
+    sampling (no_grad / inference_mode) runs lerobot's forward unchanged. The switch is the
+    instance's `forward`, which `copy.deepcopy` (the KL reference) carries to the copy."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    vwe = model.model.vlm_with_expert
+    vwe.forward = types.MethodType(_checkpointed_forward, vwe)
+    for module in vwe.get_vlm_model().vision_model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.gradient_checkpointing = True
+            module._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+
+
 # ----------------------------------------------------------------------------- the adapter
 
 
@@ -142,6 +264,7 @@ class SmolVLAPolicy(LeRobotChunkPolicy):
 
     PARAMS = SMOLVLA_PARAMS
     CONFIG_NAME = SMOLVLA_CONFIG_NAME
+    GRADIENT_CHECKPOINTING = True  # lerobot's joint VLM/expert layer loop, checkpointed per layer
 
     def __init__(self, model: nn.Module, preprocessor, postprocessor, config: SmolVLAConfig | None = None, *,
                  env_factory: Callable[[list[dict]], Any] | None = None, **params):
@@ -163,6 +286,11 @@ class SmolVLAPolicy(LeRobotChunkPolicy):
         self.batched_recompute = c.batched_recompute
         self.timesteps = flow_timesteps(self.num_steps)
         self.reference = None
+
+    def enable_gradient_checkpointing(self) -> None:
+        """train.gradient_checkpointing: `enable_smolvla_gradient_checkpointing` (same values and
+        gradients; the prefix and every denoising step recompute their layers in the backward)."""
+        enable_smolvla_gradient_checkpointing(self.model)
 
     @property
     def chunk_shape(self) -> tuple[int, int]:
