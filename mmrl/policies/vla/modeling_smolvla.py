@@ -407,7 +407,7 @@ class SmolVLAPolicy(LeRobotChunkPolicy):
     # ------------------------------------------------------------------ teacher forcing
 
     def _full_precision(self):
-        """Autocast off: a step's log-prob sums ~chunk*A terms scaled by 1/std, so bf16 velocities
+        """Autocast off: a step's log-prob averages ~chunk*A terms scaled by 1/std, so bf16 velocities
         that differ between the sampler's and the trainer's batch shapes would break the
         sampled-equals-recomputed invariant. The expert is small; it runs in the weights' dtype."""
         return torch.autocast(self.device.type, enabled=False)
