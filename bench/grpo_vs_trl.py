@@ -20,11 +20,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from child import run_child  # bench/child.py: this folder is on sys.path when a bench runs
 
 PROMPTS = [f"{a}+{b}=" for a in range(10, 40) for b in range(5, 35)]
 
@@ -155,12 +156,7 @@ def main() -> None:
             for which in ("trl", "mmrl"):
                 cmd = [sys.executable, __file__, "--child", which, "--model-dir", d, "--steps", str(args.steps),
                        "--max-tokens", str(args.max_tokens)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-                if proc.returncode != 0 or not line:
-                    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-                    raise SystemExit(f"{which} run failed (exit {proc.returncode})")
-                one = json.loads(line[-1][len("RESULT "):])
+                one = run_child(cmd, env, f"{which} run")
                 res[which]["step_times"] += one["step_times"][args.warmup:]
                 res[which]["cpu_step_times"] += one["cpu_step_times"][args.warmup:]
                 res[which]["gen_tokens"] += one["gen_tokens"][args.warmup:]

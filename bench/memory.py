@@ -19,11 +19,12 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from child import run_child  # bench/child.py: this folder is on sys.path when a bench runs
 
 VOCAB = 151_936  # Qwen2.5's
 MICRO = 4  # completions per micro-batch, both sides
@@ -162,12 +163,7 @@ def main() -> None:
                 continue
             cmd = [sys.executable, __file__, "--child", side, "--model-dir", d, "--rows", str(rows), "--T", str(T),
                    "--beta", str(beta), "--chunk", str(args.chunk), *(["--recompute"] if recompute else [])]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode != 0 or not line:
-                sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-                raise SystemExit(f"{side} rows={rows} T={T} beta={beta} failed (exit {proc.returncode})")
-            one = json.loads(line[-1][len("RESULT "):])
+            one = run_child(cmd, env, f"{side} rows={rows} T={T} beta={beta}")
             row = {"side": side, "rows": rows, "T": T, "beta": beta, "recompute": recompute,
                    "step_mib": round(one["step_mib"], 1), "step_s": round(one["step_s"] or 0.0, 2),
                    "tokens": one["tokens"]}

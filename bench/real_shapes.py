@@ -42,12 +42,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from child import run_child  # bench/child.py: this folder is on sys.path when a bench runs
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_JSON = ROOT / "bench" / "real_shapes.json"
@@ -435,12 +436,7 @@ def run_model(model: str, width: str, grid: list[tuple[int, str]]) -> dict:
     for layers, size in grid:
         cmd = [sys.executable, __file__, "--child", model, "--layers", str(layers), "--size", size, "--width", width]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-            raise SystemExit(f"{model} layers={layers} size={size} failed (exit {proc.returncode})")
-        one = json.loads(lines[-1][len("RESULT "):])
+        one = run_child(cmd, env, f"{model} layers={layers} size={size}", cwd=ROOT)
         one["wall_s"] = round(time.perf_counter() - t0, 1)
         runs.append(one)
         print("RUN " + json.dumps(one), flush=True)  # each setting as it completes (a long grid cut short keeps them)

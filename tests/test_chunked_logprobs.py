@@ -124,8 +124,22 @@ def tiny_vl():
     return build_tiny_qwen_vl(tok, "qwen2_5_vl", seed=0), build_qwen_vl_processor(tok, "qwen2_5_vl", 4, 4)
 
 
+def _hf_logits(model, enc, units):
+    """The old way for a Qwen-VL: the HF forward's float32 logits [N, T, V] that predict `units`
+    after the prompts of `enc` (prompt tensors and per-row vision lists)."""
+    from mmrl.policies.qwen_vl import rope_positions, vision_inputs
+
+    ids = torch.cat([enc["prompt_ids"], units], 1)
+    attn = torch.cat([enc["prompt_mask"], torch.ones_like(units)], 1)
+    mm = torch.cat([enc["mm_token_type_ids"], torch.zeros_like(units)], 1)
+    vision = vision_inputs(enc["pixel_values"], enc["image_grid_thw"])
+    pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
+    return model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm,
+                 logits_to_keep=units.shape[1] + 1, **vision).logits[:, :-1].float()
+
+
 def test_qwen_vl_logprobs_equal_one_pass_logits(tiny_vl):
-    from mmrl.policies.qwen_vl import QwenVLPolicy, rope_positions, vision_inputs
+    from mmrl.policies.qwen_vl import QwenVLPolicy
 
     model, processor = tiny_vl
     policy = QwenVLPolicy(model, processor, temperature=0.9, max_new_tokens=6)
@@ -137,22 +151,13 @@ def test_qwen_vl_logprobs_equal_one_pass_logits(tiny_vl):
     suppress = torch.tensor(policy.suppress_token_ids)
 
     def reference():
-        e, units = rollout.extras, rollout.units
-        ids = torch.cat([e["prompt_ids"], units], 1)
-        attn = torch.cat([e["prompt_mask"], torch.ones_like(units)], 1)
-        mm = torch.cat([e["mm_token_type_ids"], torch.zeros_like(units)], 1)
-        vision = vision_inputs(e["pixel_values"], e["image_grid_thw"])
-        pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm,
-                       logits_to_keep=units.shape[1] + 1, **vision).logits[:, :-1].float() / 0.9
-        return token_logprobs(logits, units, suppress, True)
+        return token_logprobs(_hf_logits(model, rollout.extras, rollout.units) / 0.9, rollout.units, suppress, True)
 
     _compare(lambda: policy.logprobs(rollout, with_entropy=True), reference, model, rollout.mask)
 
 
 def test_action_vla_logprobs_equal_one_pass_logits(tiny_vl):
     """The action-token VLA scores its bins through the head's rows of the action ids only."""
-    from mmrl.policies.qwen_vl import rope_positions, vision_inputs
     from mmrl.policies.vla.modeling_action_tokens import ActionTokenVLAPolicy
 
     model, processor = tiny_vl
@@ -165,14 +170,7 @@ def test_action_vla_logprobs_equal_one_pass_logits(tiny_vl):
     enc = policy.encode(policy._vl_contexts(list(obs["images"]["front"][:, None]), instr))
 
     def reference():
-        ids = torch.cat([enc["prompt_ids"], tokens], 1)
-        attn = torch.cat([enc["prompt_mask"], torch.ones_like(tokens)], 1)
-        mm = torch.cat([enc["mm_token_type_ids"], torch.zeros_like(tokens)], 1)
-        vision = vision_inputs(enc["pixel_values"], enc["image_grid_thw"])
-        pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm,
-                       logits_to_keep=tokens.shape[1] + 1, **vision).logits[:, :-1].float()
-        z = logits[..., policy.token_start:policy.token_start + 64] / 1.3
+        z = _hf_logits(model, enc, tokens)[..., policy.token_start:policy.token_start + 64] / 1.3
         return token_logprobs(z, tokens - policy.token_start, None, True)
 
     mask = torch.ones_like(tokens, dtype=torch.bool)
