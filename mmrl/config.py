@@ -381,8 +381,14 @@ def _mergeable(base: Any, extra: Any) -> bool:
     return isinstance(extra, dict) and isinstance(base, (dict, list))
 
 
+def typed_config(data: dict) -> RunConfig:
+    """`data` as a typed RunConfig (names and types checked), without `validate`'s checks of values
+    against the machine and the registries: for tools that only read a config (`mmrl plan`)."""
+    return _build(RunConfig, data)
+
+
 def config_from_dict(data: dict) -> RunConfig:
-    cfg = _build(RunConfig, data)
+    cfg = typed_config(data)
     cfg.train.output_dir = cfg.train.output_dir or default_output_dir(None, [])
     validate(cfg)
     return cfg

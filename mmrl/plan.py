@@ -134,9 +134,9 @@ def plan(config: str | Path, gpus: int, gpu_memory: float, measurements: str | P
         raise ConfigError(f"--gpus must be >= 1, got {gpus}")
     if not gpu_memory > 0:
         raise ConfigError(f"--gpu-memory must be > 0 (GiB per GPU), got {gpu_memory}")
-    from mmrl.config import RunConfig, _build, read_config_file
+    from mmrl.config import read_config_file, typed_config
 
-    cfg = _build(RunConfig, read_config_file(config))  # typed, without the checks that need the model or a GPU
+    cfg = typed_config(read_config_file(config))  # without the checks that need the model or a GPU
     name, entry = find_model(load_measurements(measurements), config)
     measured = bool(entry["runs"])
     # Not measured yet: the static memory alone (activations, KV cache and sampler buffers not included).
