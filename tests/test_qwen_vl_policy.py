@@ -84,14 +84,17 @@ def test_sampled_logprobs_match_teacher_forcing(vl, arch, temperature):
     assert torch.isfinite(entropy[rollout.mask]).all() and (entropy[rollout.mask] >= 0).all()
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "views"])
 @pytest.mark.parametrize("arch", QWEN_VL_ARCHS)
-def test_lean_and_hf_decoding_draw_the_same_tokens(vl, arch):
+def test_lean_and_hf_decoding_draw_the_same_tokens(vl, arch, fuse, monkeypatch):
     """After the HF prefill (vision + prompt), the lean static-cache decoder and the HF forward
     draw the same tokens with the same log-probs from one generator (a text-only row included)."""
     model, processor = vl(arch)
+    if not fuse:  # the model's own weights through views, as layers above FUSE_MAX_LAYER_PARAMS get
+        monkeypatch.setattr(FastDecoder, "FUSE_MAX_LAYER_PARAMS", 0)
     lean, hf = QwenVLPolicy(model, processor, max_new_tokens=10), QwenVLPolicy(model, processor, max_new_tokens=10,
                                                                                fast_decode=False)
-    assert lean._fast is not None and hf._fast is None
+    assert lean._fast is not None and hf._fast is None and lean._fast.fuse == fuse
     contexts = _contexts() + [{"frame": None, "prompt": "no image here"}]
     for temperature in (1.0, 0.7):
         a, b = (p.sample(contexts, 3, generator=torch.Generator().manual_seed(7), temperature=temperature)

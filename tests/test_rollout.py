@@ -10,6 +10,15 @@ from mmrl.rollout import Rollout, _filter_logits, sample_tokens
 PROMPTS = [{"prompt": "1+2="}, {"prompt": "13+45="}, {"prompt": "the cat sat and then 7+"}]
 
 
+@pytest.fixture(params=[True, False], ids=["fused", "views"])
+def fuse(request, monkeypatch):
+    """The lean decoder both ways: fused weight copies (small layers) and the model's own weights
+    through views (what layers above FastDecoder.FUSE_MAX_LAYER_PARAMS get)."""
+    if not request.param:
+        monkeypatch.setattr(FastDecoder, "FUSE_MAX_LAYER_PARAMS", 0)
+    return request.param
+
+
 def make_policy(tiny_lm, fast: bool, **kw) -> CausalLMPolicy:
     model, tok = tiny_lm
     return CausalLMPolicy(model, tok, max_new_tokens=12, fast_decode=fast, **kw)
@@ -17,9 +26,10 @@ def make_policy(tiny_lm, fast: bool, **kw) -> CausalLMPolicy:
 
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampler_logprobs_match_teacher_forcing(tiny_lm, fast, temperature):
+def test_sampler_logprobs_match_teacher_forcing(tiny_lm, fast, temperature, fuse):
     policy = make_policy(tiny_lm, fast, temperature=temperature)
     assert (policy._fast is not None) == fast
+    assert not fast or policy._fast.fuse == fuse
     gen = torch.Generator().manual_seed(3)
     rollout = policy.sample(PROMPTS, group_size=4, generator=gen)
     # Prompts of different lengths: left padding is really exercised.
@@ -33,7 +43,7 @@ def test_sampler_logprobs_match_teacher_forcing(tiny_lm, fast, temperature):
     assert torch.isfinite(entropy[m]).all() and (entropy[m] >= 0).all()
 
 
-def test_fast_decoder_draws_the_same_tokens_as_hf(tiny_lm):
+def test_fast_decoder_draws_the_same_tokens_as_hf(tiny_lm, fuse):
     slow, fast = make_policy(tiny_lm, False), make_policy(tiny_lm, True)
     a = slow.sample(PROMPTS, 4, generator=torch.Generator().manual_seed(11))
     b = fast.sample(PROMPTS, 4, generator=torch.Generator().manual_seed(11))
@@ -137,7 +147,7 @@ def test_pretrained_path_loads_a_saved_tiny_model(tiny_lm, tmp_path):
         CausalLMPolicy.from_model_config(ModelConfig(source="pretrained", path=str(tmp_path / "nope")), SamplingConfig())
 
 
-def test_lean_forward_matches_hf_in_value_and_gradient(tiny_lm):
+def test_lean_forward_matches_hf_in_value_and_gradient(tiny_lm, fuse):
     """The fast teacher-forced path must be the HF model's math: same log-probs, same gradients."""
     fast, slow = make_policy(tiny_lm, True), make_policy(tiny_lm, False)
     rollout = fast.sample(PROMPTS, 3, generator=torch.Generator().manual_seed(2))

@@ -3,9 +3,12 @@
 On small models, both sampling and the teacher-forced forward are bound by per-op Python
 overhead (mask building, cache objects, module hooks), not arithmetic. This module reads the HF
 model's own parameters at call time (so it always sees the latest update), runs the decoder math
-directly (fused q|k|v and gate|up projections, `scaled_dot_product_attention`, one preallocated
-KV buffer when decoding) and reuses the model's rotary module so every RoPE variant HF supports
-stays exact. Gradients flow to the HF parameters, so the trainer can use it for the update too.
+directly (`scaled_dot_product_attention`, one preallocated KV buffer when decoding) and reuses the
+model's rotary module so every RoPE variant HF supports stays exact. On small layers it also fuses
+q|k|v and gate|up into one matmul each and transposes the decode step's weights once per sampling
+call; those are copies of the weights, so above `FUSE_MAX_LAYER_PARAMS` (where the arithmetic, not
+the op count, is the cost) every matmul reads the model's own weights through views instead: a
+3B model would otherwise hold ~240 MiB of copies per layer, ~8.5 GiB in all, while sampling. Gradients flow to the HF parameters, so the trainer can use it for the update too.
 Anything it does not recognise falls back to the HF forward (`FastDecoder.maybe` returns None).
 Parity with the HF forward, in values and gradients, is tested.
 
@@ -59,9 +62,15 @@ def _text_body(model):
 
 
 class FastDecoder:
+    # Fuse and pre-transpose a layer's weights (copies) only up to this many parameters a layer: the
+    # demo models' sizes, where per-op overhead dominates (Qwen2.5-0.5B's layers have ~15M).
+    FUSE_MAX_LAYER_PARAMS = 4_000_000
+
     def __init__(self, model, body=None):
         self.model = model  # gradients flow to its parameters; `lm_head` is read from it
         self.body = _text_body(model) if body is None else body
+        layer = self.body.layers[0]
+        self.fuse = sum(p.numel() for p in layer.parameters()) <= self.FUSE_MAX_LAYER_PARAMS
         cfg = self.body.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -91,19 +100,21 @@ class FastDecoder:
     # ------------------------------------------------------------------ weights
 
     def fused_layers(self) -> list[dict]:
-        """Per-layer weights with q|k|v and gate|up concatenated (differentiable: `cat` passes
-        gradients back to the HF parameters)."""
+        """Per-layer weights. q|k|v and gate|up are one concatenated matrix each when `fuse` (a
+        differentiable copy: `cat` passes gradients back to the HF parameters), else lists of the
+        model's own weights (no copy), which `_linear` applies one by one."""
         layers = []
+        join = torch.cat if self.fuse else list
         for layer in self.body.layers:
             a, m = layer.self_attn, layer.mlp
             biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
             layers.append(dict(
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-                qkv_w=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                qkv_w=join([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                 qkv_b=torch.cat(biases) if all(b is not None for b in biases) else None,
                 o_w=a.o_proj.weight, o_b=a.o_proj.bias, scaling=a.scaling,
                 q_norm=a.q_norm.weight if self.qk_norm else None, k_norm=a.k_norm.weight if self.qk_norm else None,
-                gate_up_w=torch.cat([m.gate_proj.weight, m.up_proj.weight]), down_w=m.down_proj.weight,
+                gate_up_w=join([m.gate_proj.weight, m.up_proj.weight]), down_w=m.down_proj.weight,
             ))
         return layers
 
@@ -139,7 +150,7 @@ class FastDecoder:
         end = start + S
         for i, L in enumerate(layers):
             x = _rms_norm(h, L["ln1"], self.eps)
-            qkv = F.linear(x, L["qkv_w"], L["qkv_b"]).view(B, S, nq + 2 * nkv, hd).transpose(1, 2)
+            qkv = _linear(x, L["qkv_w"], L["qkv_b"]).view(B, S, nq + 2 * nkv, hd).transpose(1, 2)
             q, k, v = qkv.split([nq, nkv, nkv], dim=1)
             if L["q_norm"] is not None:
                 q = _rms_norm(q, L["q_norm"], self.eps)
@@ -160,7 +171,7 @@ class FastDecoder:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=L["scaling"], enable_gqa=nkv != nq)
             h = h + F.linear(o.transpose(1, 2).reshape(B, S, -1), L["o_w"], L["o_b"])
             x = _rms_norm(h, L["ln2"], self.eps)
-            gate, up = F.linear(x, L["gate_up_w"]).chunk(2, dim=-1)
+            gate, up = _linear(x, L["gate_up_w"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, L["down_w"])
         return _rms_norm(h, self.body.norm.weight, self.eps)
 
@@ -293,8 +304,11 @@ class _StaticCacheStepper:
         self.dec = dec
         self.max_len = max_len
         self.layers = dec.fused_layers()  # rebuilt per sampling call: always the latest weights
-        self.step_layers = [_transposed(L) for L in self.layers]
-        self.lm_head_t = (dec.body.norm.weight[:, None] * dec.model.lm_head.weight.t()).contiguous()
+        self.step_layers = [_transposed(L, dec.fuse) for L in self.layers]
+        norm, head_t = dec.body.norm.weight, dec.model.lm_head.weight.t()
+        # folded and contiguous (a copy) on small models; a view and the norm applied apart on big ones
+        self.final_norm = None if dec.fuse else norm
+        self.lm_head_t = (norm[:, None] * head_t).contiguous() if dec.fuse else head_t
 
     def _allocate(self, attention_mask: torch.Tensor, first_pos: torch.Tensor) -> None:
         """Zeroed KV buffers for left-padded prompts `attention_mask` [B, P], and the rotary tables
@@ -352,7 +366,7 @@ class _StaticCacheStepper:
         bias = self.key_bias.narrow(2, 0, t + 1)
         h = d.body.embed_tokens.weight[tokens]
         for L, k_buf, v_buf in zip(self.step_layers, self.k_layers, self.v_layers):
-            qkv = _project(_rms_norm(h, None, d.eps), L["qkv_t"], L["qkv_b"]).view(B, nq + 2 * nkv, hd)
+            qkv = _project(_rms_norm(h, L["ln1_step"], d.eps), L["qkv_t"], L["qkv_b"]).view(B, nq + 2 * nkv, hd)
             qk, v = qkv.split([nq + nkv, nkv], 1)
             if L["q_norm"] is not None:
                 q, k = qk.split([nq, nkv], dim=1)
@@ -365,25 +379,43 @@ class _StaticCacheStepper:
             scores = torch.baddbmm(bias, q.reshape(B * nkv, group, hd), keys.transpose(1, 2), alpha=L["scaling"])
             o = torch.bmm(scores.softmax(-1), values).view(B, nq * hd)
             h = _project(o, L["o_t"], L["o_b"], residual=h)
-            gate, up = (_rms_norm(h, None, d.eps) @ L["gate_up_t"]).chunk(2, dim=-1)
+            gate, up = _project(_rms_norm(h, L["ln2_step"], d.eps), L["gate_up_t"], None).chunk(2, dim=-1)
             h = torch.addmm(h, F.silu(gate) * up, L["down_t"])
-        return (_rms_norm(h, None, d.eps) @ self.lm_head_t).float()
+        return (_rms_norm(h, self.final_norm, d.eps) @ self.lm_head_t).float()
 
 
-def _project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+def _linear(x: torch.Tensor, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` of a fused weight, or of a list of weights (their outputs concatenated: no weight copy)."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    out = torch.cat([F.linear(x, w) for w in weight], -1)
+    return out if bias is None else out + bias
+
+
+def _project(x: torch.Tensor, weight_t: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`residual + x @ weight_t + bias` in as few ops as the operands allow."""
+    """`residual + x @ weight_t + bias` in as few ops as the operands allow (`weight_t` a list:
+    the parts' products concatenated)."""
+    if not isinstance(weight_t, torch.Tensor):
+        out = torch.cat([x @ w for w in weight_t], -1)
+        return out if bias is None else out + bias
     if residual is not None and bias is not None:
         residual = residual + bias
     add = residual if residual is not None else bias
     return x @ weight_t if add is None else torch.addmm(add, x, weight_t)
 
 
-def _transposed(L: dict) -> dict:
-    """A layer's weights as `x @ W` operands for the decode step: transposed once per sampling
-    call, with each RMSNorm scale folded into the matmul that follows it (one op fewer per norm;
-    the same product up to float rounding)."""
+def _transposed(L: dict, fuse: bool) -> dict:
+    """A layer's weights as `x @ W` operands for the decode step. Fused: transposed once per
+    sampling call (contiguous copies), with each RMSNorm scale folded into the matmul that follows
+    it (one op fewer per norm; the same product up to float rounding). Not fused: transposed views
+    of the model's weights (BLAS reads them as they are) and the norm scales applied to x."""
     out = dict(L)
+    if not fuse:
+        out.update(ln1_step=L["ln1"], ln2_step=L["ln2"], qkv_t=[w.t() for w in L["qkv_w"]], o_t=L["o_w"].t(),
+                   gate_up_t=[w.t() for w in L["gate_up_w"]], down_t=L["down_w"].t())
+        return out
+    out["ln1_step"] = out["ln2_step"] = None
     out["qkv_t"] = (L["ln1"][:, None] * L["qkv_w"].t()).contiguous()
     out["o_t"] = L["o_w"].t().contiguous()
     out["gate_up_t"] = (L["ln2"][:, None] * L["gate_up_w"].t()).contiguous()
