@@ -105,7 +105,7 @@ class AlgoConfig:
     advantage_params: dict[str, Any] = field(default_factory=dict)
     loss_params: dict[str, Any] = field(default_factory=dict)  # eps_low, eps_high, agg, tau_pos, ...
     beta: float = 0.0  # KL to the reference policy; 0 loads no reference model
-    kl_kind: str = "k3"  # a KL estimator of mmrl.algos (`mmrl algos`): k1, k2, k3, abs
+    kl_kind: str = "k3"  # a KL estimator of mmrl.algos (`mmrl algos`): k1, k2, k3, abs; gaussian (flow policies)
     entropy_coef: float = 0.0
     # < 1: the policy gradient only on this share of tokens, the highest-entropy ones of each
     # forward pass (the mini-batch, or each micro-batch with train.micro_batch_size)
@@ -564,6 +564,13 @@ def validate(cfg: RunConfig) -> None:
         policy_class(cfg.model.policy).check_params(cfg.model.params)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.algo.kl_kind == "gaussian":
+        cls = policy_class(cfg.model.policy)
+        ok = getattr(cls, "GAUSSIAN_UNITS", False) and cls.supports_gaussian_kl(cfg.model.params)
+        gaussian = sorted(n for n in POLICIES if getattr(policy_class(n), "GAUSSIAN_UNITS", False))
+        _check(ok, f"algo.kl_kind: 'gaussian' needs units that are Gaussian denoising steps; model.policy "
+                   f"{cfg.model.policy!r} (with these model.params) has none; accepted with: {', '.join(gaussian)} "
+                   f"(video_gen with exploration sde); else k1, k2, k3 or abs")
     if cfg.train.max_tokens_per_micro and not getattr(policy_class(cfg.model.policy), "TOKEN_BUDGET", False):
         supported = sorted(n for n in POLICIES if getattr(policy_class(n), "TOKEN_BUDGET", False))
         raise ConfigError(f"train.max_tokens_per_micro: model.policy {cfg.model.policy!r} does not pack rows by "

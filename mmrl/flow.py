@@ -75,6 +75,7 @@ __all__ = [
     "diffusion_chain",
     "diffusion_step",
     "flow_timesteps",
+    "gaussian_kl",
     "gaussian_logprob",
     "ode_step",
     "recompute_logprobs",
@@ -161,6 +162,20 @@ def gaussian_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor
     if not dims:
         return logp
     return logp.mean(dims) if reduce == "mean" else logp.sum(dims)
+
+
+def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor | float,
+                reduce_dims: Sequence[int] | None = None) -> torch.Tensor:
+    """KL(N(mean, std^2) || N(mean_ref, std^2)) per element, averaged over `reduce_dims` (default:
+    every dim but the first) -> [B]: (mean - mean_ref)^2 / (2 std^2), the exact KL of one step to the
+    reference's step from the same state (both share the schedule's std). Flow-GRPO's KL term; at
+    the scale of the per-element mean log-prob, so it does not grow with the latent either. The
+    k1/k2/k3 estimators on mean log-probs see this N-element average only through a sampled
+    log-ratio whose size falls as 1 / sqrt(N), so their KL is ~N times weaker."""
+    std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
+    kl = (mean - mean_ref.detach()).pow(2) / (2 * std.pow(2))
+    dims = tuple(range(1, mean.dim())) if reduce_dims is None else tuple(reduce_dims)
+    return kl.mean(dims) if dims else kl
 
 
 def _check_timesteps(timesteps: torch.Tensor) -> torch.Tensor:

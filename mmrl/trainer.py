@@ -121,6 +121,9 @@ class Trainer:
         self.advantage = cfg.algo.resolved_advantage()
         if cfg.algo.beta > 0:
             self.policy.enable_reference()
+        # Flow-GRPO's exact KL of Gaussian steps: a score of the policy's forward, from the
+        # reference's step means, instead of an estimator on log-probs
+        self.gaussian_kl = cfg.algo.beta > 0 and cfg.algo.kl_kind == algos.GAUSSIAN_KL
         self.distribute_model()
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
         t = cfg.train
@@ -541,6 +544,8 @@ class Trainer:
         """The per-unit scores the loss differentiates (the rest are only logged or used as weights)."""
         a = self.cfg.algo
         keys = ["logp"]
+        if self.gaussian_kl:
+            keys.append("kl_ref")
         if a.entropy_coef > 0 or a.papo_entropy[0] > 0:
             keys.append("entropy")
         if a.papo_gamma > 0:
@@ -549,12 +554,18 @@ class Trainer:
             keys.append("entropy_masked")
         return tuple(keys)
 
-    def score_units(self, part: Rollout, masked: Rollout | None, window: slice | None = None) -> dict[str, torch.Tensor]:
-        """Per-unit log-probs and entropies [n, T] (of `window`) of `part`, and of `masked` (the same
-        units with the images masked) when the update uses that pass."""
+    def score_units(self, part: Rollout, masked: Rollout | None, window: slice | None = None,
+                    ref_means: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Per-unit log-probs and entropies [n, T] (of `window`) of `part`, of `masked` (the same
+        units with the images masked) when the update uses that pass, and with `ref_means` (the
+        gaussian KL) the exact KL of each Gaussian step to the reference's, from the same forward."""
         with self.autocast:
-            logp, entropy = self.policy.logprobs(part, with_entropy=True, units=window)
-            scores = {"logp": logp, "entropy": entropy}
+            if ref_means is not None:
+                logp, kl = self.policy.logprobs_and_kl(part, ref_means, units=window)
+                scores = {"logp": logp, "entropy": torch.zeros_like(logp), "kl_ref": kl}  # a Gaussian's: constant
+            else:
+                logp, entropy = self.policy.logprobs(part, with_entropy=True, units=window)
+                scores = {"logp": logp, "entropy": entropy}
             if masked is not None:
                 with_entropy = self.cfg.algo.papo_entropy[1] > 0
                 scores["logp_masked"], entropy_masked = self.policy.logprobs(masked, with_entropy=with_entropy,
@@ -579,8 +590,11 @@ class Trainer:
         def aggregate(per_unit: torch.Tensor) -> torch.Tensor:
             return algos.aggregate(per_unit, mask, self.agg, budget, denominator=denom)
 
-        if ref_logp is not None:
-            kl_term = aggregate(algos.kl_penalty(logp, ref_logp, a.kl_kind, mask=mask))
+        kl = scores.get("kl_ref")  # the gaussian KL, scored by the policy; else an estimator on log-probs
+        if kl is None and ref_logp is not None:
+            kl = algos.kl_penalty(logp, ref_logp, a.kl_kind, mask=mask)
+        if kl is not None:
+            kl_term = aggregate(kl)
             loss = loss + a.beta * kl_term
             metrics["kl_ref"] = kl_term.item()
         trained = self.trained_scores()
@@ -597,26 +611,30 @@ class Trainer:
             metrics["entropy_masked"] = ent_masked.item()
         return loss, metrics
 
-    def backward_micro(self, part: Rollout, masked: Rollout | None, *loss_inputs) -> tuple[float, dict[str, float]]:
-        """Backward of `micro_loss` on `part`. With several unit windows (`train.unit_chunk`), the
-        loss is first taken on scores computed without graph, which gives its gradient with respect
-        to every unit's scores; each window is then recomputed with graph and back-propagated
-        against that gradient. The chain rule makes the parameter gradient the one-pass gradient
-        for every loss and aggregation (sequence-level ratios included), while only one window's
-        activations are alive at a time."""
+    def backward_micro(self, part: Rollout, masked: Rollout | None, mask: torch.Tensor, old_logp: torch.Tensor,
+                       adv: torch.Tensor, ref: torch.Tensor | None, denom: torch.Tensor) -> tuple[float, dict[str, float]]:
+        """Backward of `micro_loss` on `part`; `ref` is the reference's log-probs, or with the
+        gaussian KL its step means (an input of the scores, not of the loss). With several unit
+        windows (`train.unit_chunk`), the loss is first taken on scores computed without graph,
+        which gives its gradient with respect to every unit's scores; each window is then
+        recomputed with graph and back-propagated against that gradient. The chain rule makes the
+        parameter gradient the one-pass gradient for every loss and aggregation (sequence-level
+        ratios included), while only one window's activations are alive at a time."""
         windows = self.unit_windows(part.units.shape[1])
+        ref_means, ref_logp = (ref, None) if self.gaussian_kl else (None, ref)
+        loss_inputs = (mask, old_logp, adv, ref_logp, denom)
         if len(windows) == 1:
-            loss, metrics = self.micro_loss(part, self.score_units(part, masked), *loss_inputs)
+            loss, metrics = self.micro_loss(part, self.score_units(part, masked, ref_means=ref_means), *loss_inputs)
             loss.backward()
             return loss.item(), metrics
         trained = self.trained_scores()
         with torch.no_grad():
-            pieces = [self.score_units(part, masked, w) for w in windows]
+            pieces = [self.score_units(part, masked, w, ref_means) for w in windows]
         scores = {k: torch.cat([p[k] for p in pieces], 1).float().requires_grad_(k in trained) for k in pieces[0]}
         loss, metrics = self.micro_loss(part, scores, *loss_inputs)
         loss.backward()
         for w in windows:
-            window_scores = self.score_units(part, masked, w)
+            window_scores = self.score_units(part, masked, w, ref_means)
             term = sum(((window_scores[k] * scores[k].grad[:, w]).sum() for k in trained))
             if term.requires_grad:  # a policy may skip a window of untrained units (no graph)
                 term.backward()
@@ -664,11 +682,11 @@ class Trainer:
             with self.autocast:
                 old_logp = self.in_micro_batches(rollout, lambda rows: self.policy.logprobs(
                     self.micro_part(rollout, rows))[0])
-        ref_logp = None
+        ref_logp = None  # or, with the gaussian KL, the reference's step means [N, T, *unit_shape]
         if a.beta > 0 and N:
+            reference = self.policy.reference_means if self.gaussian_kl else self.policy.reference_logprobs
             with self.autocast:
-                ref_logp = self.in_micro_batches(rollout, lambda rows: self.policy.reference_logprobs(
-                    self.micro_part(rollout, rows)))
+                ref_logp = self.in_micro_batches(rollout, lambda rows: reference(self.micro_part(rollout, rows)))
         # One image mask per rollout, kept for every epoch of this update.
         masked = self.policy.mask_images(rollout, a.mask_prob, self.sample_gen) if a.masks_images and N else None
         if a.certainty_reweight > 0 and N:

@@ -555,7 +555,7 @@ def test_builtin_specs_match_spec_table():
     assert clip_cov == {"eps_low": 0.2, "eps_high": 0.2, "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "generator": None}
     kinds = list_algorithms()
     assert {"advantage", "loss", "kl", "offline"} <= set(kinds)
-    assert [r[0] for r in kinds["kl"]] == ["abs", "k1", "k2", "k3"]
+    assert [r[0] for r in kinds["kl"]] == ["abs", "gaussian", "k1", "k2", "k3"]
 
 
 # ------------------------------------------------------------------ KL and entropy
@@ -569,8 +569,10 @@ def test_kl_penalty_values():
     close(kl_penalty(logp, ref, "k2"), d**2 / 2)
     close(kl_penalty(logp, ref, "k3"), torch.exp(d) - d - 1)
     close(kl_penalty(logp, ref, "abs"), d.abs())
-    with pytest.raises(AlgorithmError, match=r"unknown kl estimator 'k4'; valid: abs, k1, k2, k3"):
+    with pytest.raises(AlgorithmError, match=r"unknown kl estimator 'k4'; valid: abs, gaussian, k1, k2, k3"):
         kl_penalty(logp, ref, "k4")
+    with pytest.raises(AlgorithmError, match="computed from a flow policy's step means"):
+        kl_penalty(logp, ref, "gaussian")  # not an estimator on log-probs
 
 
 def test_k3_stays_finite_for_large_log_ratios():

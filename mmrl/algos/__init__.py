@@ -16,7 +16,7 @@ from .registry import (
 )
 from .advantages import Groups, compute_advantages, gae, make_groups, masked_whiten
 from .losses import agg_denominator, aggregate, policy_loss
-from .kl import entropy_from_logits, kl_penalty
+from .kl import GAUSSIAN_KL, entropy_from_logits, kl_penalty
 from . import shaping
 from .shaping import (
     failed_groups,
@@ -39,6 +39,7 @@ from . import kvpo  # noqa: F401  (registers the kvpo_anchor estimator; the KVPO
 
 __all__ = [
     "AGG_MODES",
+    "GAUSSIAN_KL",
     "AlgorithmError",
     "CORRECTIONS",
     "CORRECTION_LEVELS",

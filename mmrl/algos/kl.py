@@ -2,6 +2,8 @@
 
 With d = ref_logp - logp (samples from the current policy):
 k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1 (unbiased and always >= 0), abs = |d|.
+`gaussian` is the exact KL of Gaussian denoising steps, which flow policies compute from their step
+means (`mmrl.flow.gaussian_kl`), not from log-probs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch import Tensor
 from .losses import LOG_RATIO_CLAMP
 from .registry import AlgorithmError, as_bool_mask, get_kl_spec, register_kl
 
-__all__ = ["kl_penalty", "entropy_from_logits"]
+__all__ = ["GAUSSIAN_KL", "kl_penalty", "entropy_from_logits"]
 
 
 @register_kl("k1", citation="Schulman 2020, http://joschu.net/blog/kl-approx.html")
@@ -43,6 +45,19 @@ def _k3(d: Tensor) -> Tensor:
 def _abs(d: Tensor) -> Tensor:
     """abs = |ref_logp - logp|."""
     return d.abs()
+
+
+GAUSSIAN_KL = "gaussian"
+
+
+@register_kl(GAUSSIAN_KL, citation="2505.05470 (Flow-GRPO's KL term)",
+             description="exact KL of Gaussian denoising steps from their means (flow and diffusion policies)")
+def _gaussian(d: Tensor) -> Tensor:
+    """Not an estimator on log-probs: the trainer takes it from the policy's step means
+    (`FlowPolicyBase.logprobs_and_kl`, `mmrl.flow.gaussian_kl`), and the config accepts it only
+    for policies whose units are Gaussian steps."""
+    raise AlgorithmError("kl_kind 'gaussian' is computed from a flow policy's step means (logprobs_and_kl), "
+                         "not from log-probs")
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str, mask: Tensor | None = None) -> Tensor:

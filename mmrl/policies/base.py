@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -137,13 +137,40 @@ class PolicyBase:
         return disabled()
 
 
+class UnitSteps(NamedTuple):
+    """What a flow policy's teacher-forced pass gives per unit (one Gaussian denoising step): the
+    log-prob [N, T], and on request the exact per-element KL to reference means [N, T] and the
+    step means themselves [N, T, *unit_shape] (a unit's own slice of the latent or action chunk)."""
+
+    logp: torch.Tensor
+    kl: torch.Tensor | None = None
+    means: torch.Tensor | None = None
+
+
 class FlowPolicyBase(PolicyBase):
-    """What the flow-matching policies share (SmolVLA's action expert, the video generator): each
-    unit is a Gaussian SDE step (`mmrl.flow`) whose log-prob a subclass's
-    `_rollout_logprobs(model, rollout, window)` recomputes teacher-forced."""
+    """What the flow-matching policies share (SmolVLA's action expert, the video generator, the
+    diffusion policy): each unit is a Gaussian step (`mmrl.flow`) whose log-prob a subclass's
+    `_unit_steps(model, rollout, window, ref_means, with_means)` recomputes teacher-forced.
+
+    `algo.kl_kind: gaussian` (Flow-GRPO's KL) takes the exact KL of each step to the reference's
+    step from the same state, (mean - mean_ref)^2 / (2 std^2) averaged over the unit's elements
+    (`mmrl.flow.gaussian_kl`), from the means of the same forward that gives the log-probs: the
+    reference pass keeps its step means per unit (`reference_means`, [N, T, *unit_shape]: the
+    rollout's size in latents once more), the update reads them (`logprobs_and_kl`)."""
+
+    GAUSSIAN_UNITS = True  # every unit is a Gaussian step with a mean: algo.kl_kind gaussian applies
+
+    @classmethod
+    def supports_gaussian_kl(cls, params: dict) -> bool:
+        """Whether the units under these `model.params` are Gaussian steps."""
+        return True
+
+    def _unit_steps(self, model: nn.Module, rollout: Rollout, window: slice | None = None,
+                    ref_means: torch.Tensor | None = None, with_means: bool = False) -> UnitSteps:
+        raise NotImplementedError
 
     def _rollout_logprobs(self, model: nn.Module, rollout: Rollout, window: slice | None = None) -> torch.Tensor:
-        raise NotImplementedError
+        return self._unit_steps(model, rollout, window).logp
 
     def logprobs(self, rollout: Rollout, with_entropy: bool = False,
                  units: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -155,6 +182,19 @@ class FlowPolicyBase(PolicyBase):
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         with self.reference_module() as ref:
             return self._rollout_logprobs(ref, rollout)
+
+    @torch.no_grad()
+    def reference_means(self, rollout: Rollout) -> torch.Tensor:
+        """The reference's step mean of every unit [N, T, *unit_shape] (0 where a unit is not scored)."""
+        with self.reference_module() as ref:
+            return self._unit_steps(ref, rollout, with_means=True).means
+
+    def logprobs_and_kl(self, rollout: Rollout, ref_means: torch.Tensor,
+                        units: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and the exact KL to `ref_means` (`reference_means` of these rows) [N, T] of
+        the units `units`, both with gradient, from one forward."""
+        steps = self._unit_steps(self.model, rollout, window=units, ref_means=ref_means)
+        return steps.logp, steps.kl
 
 
 class TextPolicyBase(PolicyBase):

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
-from mmrl.policies.base import FlowPolicyBase, eval_mode
+from mmrl.flow import flow_timesteps, gaussian_kl, gaussian_logprob, ode_step, sde_step
+from mmrl.policies.base import FlowPolicyBase, UnitSteps, eval_mode
 from mmrl.policies.video.causal_wan import CausalWan, KVCache, build_tiny_wan
 from mmrl.policies.video.configuration import VIDEO_CONFIG_NAME, VideoGenConfig
 from mmrl.policies.vla.configuration import param_names, read_saved_config, resolve_config
@@ -92,6 +92,11 @@ class VideoGenPolicy(FlowPolicyBase):
         """The keys, and their values (at config load, before any model is built)."""
         super().check_params(params)
         VideoGenConfig(**params)
+
+    @classmethod
+    def supports_gaussian_kl(cls, params: dict) -> bool:
+        """SDE exploration only: KVPO's units (`kv_routing`) are branches of a deterministic ODE."""
+        return params.get("exploration", VideoGenConfig.exploration) == "sde"
 
     def __init__(self, generator: CausalWan, text_encoder: nn.Module, tokenizer, config: VideoGenConfig | None = None,
                  *, num_frames: int, height: int, width: int, vae: nn.Module | None = None, **params):
@@ -419,8 +424,12 @@ class VideoGenPolicy(FlowPolicyBase):
 
     # ------------------------------------------------------------------ log-probs
 
-    def _step_logprobs(self, model: nn.Module, states: torch.Tensor, text: torch.Tensor, j: int) -> torch.Tensor:
-        """[N, C] log-probs of step j of every chunk, teacher-forced on the clean video."""
+    CHUNK_DIMS = (1, 3, 4, 5)  # a unit's elements in the per-chunk layout [N, ch, C, F/C, H, W]
+
+    def _step(self, model: nn.Module, states: torch.Tensor, text: torch.Tensor, j: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x_next, mean, std) of step j of every chunk, teacher-forced on the clean video, in the
+        per-chunk layout [N, ch, C, F/C, H, W] (float32)."""
         N, C, K = states.shape[0], self.num_chunks, self.config.num_steps
         ts = self.timesteps.tolist()
         clean, x, x_next = states[:, K], states[:, j], states[:, j + 1]
@@ -431,22 +440,39 @@ class VideoGenPolicy(FlowPolicyBase):
         def by_chunk(y: torch.Tensor) -> torch.Tensor:  # [N, ch, F, H, W] -> [N, ch, C, F/C, H, W]
             return y.float().reshape(N, y.shape[1], C, self.config.chunk_frames, *y.shape[3:])
 
-        return gaussian_logprob(by_chunk(x_next), by_chunk(mean), std.float(), reduce_dims=(1, 3, 4, 5))
+        return by_chunk(x_next), by_chunk(mean), std.float()
 
-    def _rollout_logprobs(self, model: nn.Module, rollout: Rollout, window: slice | None = None) -> torch.Tensor:
+    def _unit_steps(self, model: nn.Module, rollout: Rollout, window: slice | None = None,
+                    ref_means: torch.Tensor | None = None, with_means: bool = False) -> UnitSteps:
+        """Scores of units `window` (default, and `with_means`: all); unit j * C + k is step j of
+        chunk k, its means the chunk's slice [ch, F/C, H, W] of the step's mean."""
         if "routed" in rollout.extras:  # a KVPO rollout: one unit per branch
+            if ref_means is not None or with_means:
+                raise ValueError("KVPO's branch units are not Gaussian steps: algo.kl_kind gaussian does not apply")
             groups = rollout.group_ids
             if groups is None:
                 raise ValueError("KVPO's branch log-probs need the rollout's group ids (the trainer stamps them)")
-            return self._branch_logprobs(model, rollout, groups)
+            return UnitSteps(self._branch_logprobs(model, rollout, groups))
         N, C, K = len(rollout), self.num_chunks, self.config.num_steps
-        window = window or slice(0, K * C)
-        out = torch.zeros(N, K * C, device=self.device)
+        window = slice(0, K * C) if window is None or with_means else window
+        states, text = rollout.extras["states"], rollout.extras["text"]
+        logp = torch.zeros(N, K * C, device=self.device)
+        kl = torch.zeros_like(logp) if ref_means is not None else None
+        ch, F, H, W = self.shape
+        means = torch.zeros(N, K * C, ch, F // C, H, W, device=self.device) if with_means else None
         trained = rollout.mask.view(N, K, C).any(-1).any(0)  # steps some row trains
         for j in range(window.start // C, math.ceil(window.stop / C)):
-            if trained[j]:
-                out[:, j * C:(j + 1) * C] = self._step_logprobs(model, rollout.extras["states"], rollout.extras["text"], j)
-        return out[:, window]
+            if not trained[j]:
+                continue
+            x_next, mean, std = self._step(model, states, text, j)
+            cols = slice(j * C, (j + 1) * C)
+            logp[:, cols] = gaussian_logprob(x_next, mean, std, reduce_dims=self.CHUNK_DIMS)
+            if kl is not None:
+                ref = ref_means[:, cols].transpose(1, 2)  # [N, C, ch, ...] -> the per-chunk layout
+                kl[:, cols] = gaussian_kl(mean, ref, std, reduce_dims=self.CHUNK_DIMS)
+            if means is not None:
+                means[:, cols] = mean.detach().transpose(1, 2)
+        return UnitSteps(logp[:, window], None if kl is None else kl[:, window], means)
 
     # ------------------------------------------------------------------ pretraining
 

@@ -3,8 +3,9 @@ Diffusion Policy's U-Net): building a lerobot policy with its pre/post-processor
 saved one, and the adapter skeleton whose units are the denoising steps of every executed chunk.
 
 A subclass writes `_act_arrays(images, states, instructions, generator, temperature)` (one chunk
-per row: {"actions", "states" [B, K+1, *chunk_shape], "logp" [B, K]}), `_rollout_logprobs`,
-`sft_loss`, `chunk_shape` and `saved_settings`; episodes, decoding and saving are here.
+per row: {"actions", "states" [B, K+1, *chunk_shape], "logp" [B, K]}), `_chain_steps` (the
+teacher-forced step means of chosen chunks), `sft_loss`, `chunk_shape` and `saved_settings`;
+episodes, decoding, the per-unit scores and saving are here.
 """
 
 from __future__ import annotations
@@ -16,10 +17,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from mmrl.envs.episodes import as_numpy, episode_slices, run_episodes
-from mmrl.policies.base import FlowPolicyBase, eval_mode
-from mmrl.policies.vla.processor import decode_episodes, denoising_rollout, observation_field, observation_images
+from mmrl.flow import gaussian_kl, gaussian_logprob
+from mmrl.policies.base import FlowPolicyBase, UnitSteps, eval_mode
+from mmrl.policies.vla.processor import (
+    acted_chunks,
+    decode_episodes,
+    denoising_inputs,
+    denoising_rollout,
+    observation_field,
+    observation_images,
+)
 from mmrl.rollout import Rollout
 
 
@@ -88,6 +98,38 @@ class LeRobotChunkPolicy(FlowPolicyBase):
     def saved_settings(self) -> dict[str, Any]:
         """The adapter's own settings that `save` writes beside the lerobot files."""
         raise NotImplementedError
+
+    def _chain_steps(self, model: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step means [M*K, *chunk_shape] (sample-major: row m*K + k is chunk m's step k) and
+        their stds (broadcasting against them) of the M chains in `inputs` (`denoising_inputs`:
+        images, states, instructions, chains [M, K+1, *chunk_shape]), with gradient."""
+        raise NotImplementedError
+
+    def _unit_steps(self, model: nn.Module, rollout: Rollout, window: slice | None = None,
+                    ref_means: torch.Tensor | None = None, with_means: bool = False) -> UnitSteps:
+        """Scores of the denoising steps `window` (default: all; `with_means`: all): one pass over
+        every chunk the window touches (a window of whole chunks costs nothing extra)."""
+        N, K, chunk = len(rollout), self.num_steps, self.chunk_shape
+        S = rollout.units.shape[1] // K
+        rows, steps, start, stop = acted_chunks(rollout.mask, K, None if with_means else window)
+        zeros = lambda *shape: torch.zeros(N, S, K, *shape, device=self.device)  # noqa: E731
+        logp, kl, means = zeros(), zeros() if ref_means is not None else None, zeros(*chunk) if with_means else None
+        if len(rows):
+            inputs = denoising_inputs(rollout, rows, steps, K, self.device)
+            mean, std = self._chain_steps(model, inputs)
+            M, x_next = len(rows), inputs[3][:, 1:].reshape(-1, *chunk)
+            logp = logp.index_put((rows, steps), gaussian_logprob(x_next, mean, std).view(M, K))
+            if kl is not None:
+                ref = ref_means.view(N, S, K, *chunk)[rows, steps].reshape(M * K, *chunk)
+                kl = kl.index_put((rows, steps), gaussian_kl(mean, ref, std).view(M, K))
+            if means is not None:
+                means = means.index_put((rows, steps), mean.detach().view(M, K, *chunk).to(means.dtype))
+
+        def units(x: torch.Tensor) -> torch.Tensor:
+            return torch.where(rollout.mask[:, start:stop], x.view(N, S * K)[:, start:stop], 0.0)
+
+        return UnitSteps(units(logp), None if kl is None else units(kl),
+                         None if means is None else means.view(N, S * K, *chunk))
 
     def _act_arrays(self, images: np.ndarray, states: np.ndarray, instructions: list[str],
                     generator: torch.Generator | None, temperature: float | None) -> dict[str, torch.Tensor]:

@@ -42,11 +42,7 @@ from mmrl.policies.vla.configuration import (
     resolve_config,
 )
 from mmrl.policies.vla.lerobot_policy import LeRobotChunkPolicy, build_lerobot, load_lerobot, robot_features
-from mmrl.policies.vla.processor import (
-    acted_chunks,
-    denoising_inputs,
-    parse_sft_context,
-)
+from mmrl.policies.vla.processor import parse_sft_context
 from mmrl.rollout import Rollout
 
 OBS_STATE, OBS_IMAGES = "observation.state", "observation.images"
@@ -216,25 +212,17 @@ class DiffusionActionPolicy(LeRobotChunkPolicy):
 
     # ------------------------------------------------------------------ teacher forcing
 
-    def _rollout_logprobs(self, model: nn.Module, rollout: Rollout, window: slice | None = None) -> torch.Tensor:
-        """[N, T] log-probs of the denoising steps `window` (default: all): one U-Net call over all
-        K steps of every chunk the window touches."""
-        N, K = len(rollout), self.num_steps
-        S = rollout.units.shape[1] // K
-        rows, steps, start, stop = acted_chunks(rollout.mask, K, window)
-        out = torch.zeros(N, S, K, device=self.device)
-        if len(rows):
-            images, states, _, chains = denoising_inputs(rollout, rows, steps, K, self.device)
-            M = chains.shape[0]
-            with eval_mode(model):  # the inputs the sampler saw (a random crop would break parity)
-                eps_fn = self._noise_fn(model, self._batch(images, states), repeat=K)
-                x = chains[:, :-1].reshape(M * K, *self.chunk_shape)  # sample-major: row m*K + k
-                k = torch.arange(K, device=self.device).repeat(M)
-                _, mean, std = self._step(eps_fn(x, self.timesteps.to(self.device)[k]), x, k, self.eta,
-                                          noise=torch.zeros_like(x))
-            logp = gaussian_logprob(chains[:, 1:].reshape(M * K, *self.chunk_shape), mean, std).view(M, K)
-            out = out.index_put((rows, steps), logp)
-        return torch.where(rollout.mask[:, start:stop], out.view(N, S * K)[:, start:stop], 0.0)
+    def _chain_steps(self, model: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step means and stds of the chains: one U-Net call over all K steps of every chain."""
+        images, states, _, chains = inputs
+        M, K = chains.shape[0], self.num_steps
+        with eval_mode(model):  # the inputs the sampler saw (a random crop would break parity)
+            eps_fn = self._noise_fn(model, self._batch(images, states), repeat=K)
+            x = chains[:, :-1].reshape(M * K, *self.chunk_shape)  # sample-major: row m*K + k
+            k = torch.arange(K, device=self.device).repeat(M)
+            _, mean, std = self._step(eps_fn(x, self.timesteps.to(self.device)[k]), x, k, self.eta,
+                                      noise=torch.zeros_like(x))
+        return mean, std
 
     # ------------------------------------------------------------------ SFT
 

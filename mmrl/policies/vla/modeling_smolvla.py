@@ -43,7 +43,7 @@ from torch import nn
 
 from mmrl.envs.episodes import VectorEnvFactory, task_env_factory
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
-from mmrl.policies.base import eval_mode
+from mmrl.policies.base import UnitSteps, eval_mode
 from mmrl.policies.vla.configuration import (
     SMOLVLA_CONFIG_NAME,
     SMOLVLA_PARAMS,
@@ -52,12 +52,7 @@ from mmrl.policies.vla.configuration import (
     resolve_config,
 )
 from mmrl.policies.vla.lerobot_policy import LeRobotChunkPolicy, build_lerobot, load_lerobot, robot_features
-from mmrl.policies.vla.processor import (
-    acted_chunks,
-    denoising_inputs,
-    instruction_corpus,
-    parse_sft_context,
-)
+from mmrl.policies.vla.processor import instruction_corpus, parse_sft_context
 from mmrl.rollout import Rollout
 
 VLM_DIR = "vlm"  # a tiny model's SmolVLM folder, inside the build and checkpoint directories
@@ -69,9 +64,12 @@ SMOLVLM_SPECIAL_TOKENS = {"fake_image_token": "<fake_token_around_image>", "imag
 
 
 def build_tiny_smolvlm_dir(directory: str | Path, corpus: Sequence[str], image_size: int = 32, patch_size: int = 8,
-                           hidden_size: int = 64, num_layers: int = 2, vocab_size: int = 320) -> Path:
+                           hidden_size: int = 64, num_layers: int = 2, vocab_size: int = 320, scale: int = 2,
+                           text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None) -> Path:
     """Write a tiny SmolVLM (config.json, processor_config.json, tokenizer files) that
-    `SmolVLAConfig(vlm_model_name=directory, load_vlm_weights=False)` builds on, with no hub access."""
+    `SmolVLAConfig(vlm_model_name=directory, load_vlm_weights=False)` builds on, with no hub access.
+    `text` / `vision` override the SmolVLM text / vision config sizes and `scale` its pixel-shuffle
+    factor (bench/real_shapes.py builds SmolVLM2-500M's widths this way)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast, SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor
     from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
 
@@ -85,19 +83,18 @@ def build_tiny_smolvlm_dir(directory: str | Path, corpus: Sequence[str], image_s
     PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                             extra_special_tokens=SMOLVLM_SPECIAL_TOKENS).save_pretrained(directory)
     tok = AutoTokenizer.from_pretrained(directory)
-    scale = 2
     if image_size % (patch_size * scale):
-        raise ValueError(f"image_size {image_size} must be a multiple of patch_size * 2 = {patch_size * scale}")
+        raise ValueError(f"image_size {image_size} must be a multiple of patch_size * {scale} = {patch_size * scale}")
     seq_len = (image_size // patch_size) ** 2 // scale ** 2
     image_processor = SmolVLMImageProcessor(size={"longest_edge": image_size}, do_image_splitting=False,
                                             max_image_size={"longest_edge": image_size})
     SmolVLMProcessor(image_processor=image_processor, tokenizer=tok, video_processor=SmolVLMVideoProcessor(),
                      image_seq_len=seq_len).save_pretrained(directory)
-    text = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=hidden_size // 4, max_position_embeddings=512)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=image_size, patch_size=patch_size)
+    text = {**dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=hidden_size // 4, max_position_embeddings=512), **(text or {})}
+    vision = {**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+              **(vision or {}), "image_size": image_size, "patch_size": patch_size}
     SmolVLMConfig(text_config=text, vision_config=vision, scale_factor=scale,
                   image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=tok.pad_token_id
                   ).save_pretrained(directory)
@@ -412,25 +409,15 @@ class SmolVLAPolicy(LeRobotChunkPolicy):
         sampled-equals-recomputed invariant. The expert is small; it runs in the weights' dtype."""
         return torch.autocast(self.device.type, enabled=False)
 
-    def _rollout_logprobs(self, model: nn.Module, rollout: Rollout, window: slice | None = None) -> torch.Tensor:
+    def _unit_steps(self, model: nn.Module, rollout: Rollout, window: slice | None = None,
+                    ref_means: torch.Tensor | None = None, with_means: bool = False) -> UnitSteps:
         with self._full_precision():
-            return self._rollout_logprobs_fp(model, rollout, window)
+            return super()._unit_steps(model, rollout, window, ref_means, with_means)
 
-    def _rollout_logprobs_fp(self, model: nn.Module, rollout: Rollout, window: slice | None) -> torch.Tensor:
-        """[N, T] log-probs of the denoising steps `window` (default: all): the prefix and the K
-        steps of each episode chunk the window touches (a window of whole chunks costs nothing extra)."""
-        N, K = len(rollout), self.num_steps
-        S = rollout.units.shape[1] // K
-        rows, steps, start, stop = acted_chunks(rollout.mask, K, window)
-        out = torch.zeros(N, S, K, device=self.device)
-        if len(rows):
-            images, states, instructions, chains = denoising_inputs(rollout, rows, steps, K, self.device)
-            pad, cache = self._prefix(model, self._batch(images, states, instructions))
-            out = out.index_put((rows, steps), self._step_logprobs(model, pad, cache, chains))
-        return torch.where(rollout.mask[:, start:stop], out.view(N, S * K)[:, start:stop], 0.0)
-
-    def _step_logprobs(self, model: nn.Module, pad: torch.Tensor, cache, states: torch.Tensor) -> torch.Tensor:
-        """[M, K] log-probs of the transitions in `states` [M, K+1, ...] given each row's prefix."""
+    def _chain_steps(self, model: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step means and stds of the chains given each row's prefix (images, state, instruction)."""
+        images, obs_states, instructions, states = inputs
+        pad, cache = self._prefix(model, self._batch(images, obs_states, instructions))
         M, K = states.shape[0], self.num_steps
         ts = self.timesteps.to(states.device)
         if self.batched_recompute:  # one denoise_step over all M*K transitions (sample-major rows)
@@ -439,15 +426,17 @@ class SmolVLAPolicy(LeRobotChunkPolicy):
             x = states[:, :-1].reshape(M * K, *states.shape[2:])
             t, dt = ts[:-1].repeat(M), (ts[1:] - ts[:-1]).repeat(M)
             _, mean, std = sde_step(x, v_fn(x, t), t, dt, self.eta, noise=torch.zeros_like(x))
-            return gaussian_logprob(states[:, 1:].reshape(M * K, *states.shape[2:]), mean, std).view(M, K)
+            return mean, std
         v_fn = self._velocity(model, pad, cache)
-        out = []
+        means, stds = [], []
         for k in range(K):
             x = states[:, k]
             _, mean, std = sde_step(x, v_fn(x, ts[k].expand(M)), float(ts[k]), float(ts[k + 1] - ts[k]), self.eta,
                                     noise=torch.zeros_like(x))
-            out.append(gaussian_logprob(states[:, k + 1], mean, std))
-        return torch.stack(out, 1)
+            means.append(mean)
+            stds.append(torch.as_tensor(std, dtype=mean.dtype, device=mean.device).expand(M))
+        shape = (M * K, *[1] * (states.dim() - 2))
+        return torch.stack(means, 1).flatten(0, 1), torch.stack(stds, 1).reshape(shape)
 
     # ------------------------------------------------------------------ SFT
 
