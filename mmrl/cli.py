@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"libero/libero/assets)")
     p.set_defaults(fn=cmd_fetch_assets)
     p = sub.add_parser("plan", help="predict the peak GPU memory per phase of a config at full depth (replicated "
-                       "and FSDP) and the largest train.max_tokens_per_micro that fits (bench/real_shapes.json)")
+                       "and FSDP) and the largest micro-batch that fits (bench/real_shapes.json)")
     p.add_argument("config")
     p.add_argument("--gpus", type=int, default=1, help="GPUs the run spreads over (default 1)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")

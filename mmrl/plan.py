@@ -1,6 +1,7 @@
 """`mmrl plan CONFIG --gpus N --gpu-memory GB`: the peak GPU memory per phase of one RL step of CONFIG
-at its full depth, replicated and FSDP-sharded over N GPUs, and the largest `train.max_tokens_per_micro`
-that fits.
+at its full depth, replicated and FSDP-sharded over N GPUs, and the largest micro-batch that fits
+(`train.max_tokens_per_micro` for the text samplers, `train.micro_batch_size` rows for the video and
+the VLA configs, whose rows have the config's fixed size).
 
 The prediction is built from two parts:
 
@@ -10,11 +11,15 @@ The prediction is built from two parts:
   parameter's dtype (bf16 parameters: bf16 states). Replicated: all of it on every GPU. FSDP over N:
   all of it / N, plus the whole weights while sampling (mmrl unshards the policy and its reference
   for generation, `distributed.full_parameters`) and two unsharded blocks in the training passes.
-* Dynamic (measured, plus the sampler's KV cache computed analytically): what each phase adds above the static memory, measured on the CPU by
-  `bench/real_shapes.py` at the model's real widths with 1 and 2 layers and two token counts n (tokens
-  in one sampler call for `sampling`; in one micro-batch for `old_ref` and `update`), fitted per
-  phase as dyn(L, n) = (c0 + c1 L) + (d0 + d1 L) n (four points, solved exactly), evaluated at the
-  full depth and the config's own n.
+* Dynamic (measured, plus the text sampler's KV cache computed analytically): what each phase adds
+  above the static memory, measured on the CPU by `bench/real_shapes.py` at the model's real widths
+  with 1 and 2 layers and two sizes n (n counts what one sampler call takes for `sampling`, one
+  micro-batch for `old_ref` and `update`: tokens for the text samplers, rows where the config fixes
+  a row's size), fitted per phase as dyn(L, n) = (c0 + c1 L) + (d0 + d1 L) n (four points, solved
+  exactly), evaluated at the full depth and the config's own n.
+* Frozen parts outside the policy's weights (a text encoder, a VAE, a reward model) add their bytes
+  (`frozen_extra_bytes`) to every phase; the bench builds them cut down, so only their activations
+  are in the measurement.
 
 Plus RUNTIME_GIB for the CUDA context, cuBLAS workspaces and kernels (not measured here), and a
 fit needs the peak below (1 - HEADROOM) of the GPU's memory (the caching allocator's fragmentation).
@@ -100,14 +105,19 @@ def fit_phases(runs: list[dict[str, Any]]) -> dict[str, PhaseFit]:
     return fits
 
 
-def config_tokens(cfg, prompt_tokens: int) -> dict[str, int]:
-    """Tokens n of each phase under the config (per GPU): a sampler call's rows x (prompt + reply
-    budget), and one micro-batch's prompt + reply tokens (its token budget when set)."""
+def config_sizes(cfg, unit: str, prompt_tokens: int) -> dict[str, int]:
+    """n of each phase under the config (per GPU). `unit` "tokens" (text samplers): a sampler call's
+    rows x (prompt + reply budget), and one micro-batch's prompt + reply tokens (its token budget
+    when set). "rows" (a row's size fixed by the config: a video, an episode): the rows of a
+    sampler call and of a micro-batch."""
     s, t, r = cfg.sampling, cfg.train, cfg.rollout
-    G, seq = s.group_size, prompt_tokens + s.max_new_tokens
+    G = s.group_size
     rows = t.prompts_per_step * G  # per rank: every rank samples prompts_per_step prompts
     per_call = min(rows, max(1, r.batch_size // G) * G) if r.batch_size > 0 else rows
     micro_rows = t.micro_batch_size or rows
+    if unit == "rows":
+        return {"sampling": per_call, "old_ref": micro_rows, "update": micro_rows}
+    seq = prompt_tokens + s.max_new_tokens
     micro = micro_rows * seq
     if t.max_tokens_per_micro:
         micro = min(micro, max(t.max_tokens_per_micro, seq))  # one row at least, whatever the budget
@@ -143,11 +153,12 @@ def plan(config: str | Path, gpus: int, gpu_memory: float, measurements: str | P
     fits = fit_phases(entry["runs"]) if measured else {p: PhaseFit(0.0, 0.0, 0.0, 0.0) for p in PHASES}
     params = entry["full_params"]
     layers = params["layers"]
+    unit = entry.get("unit", "tokens")
     prompt = max(r["prompt_tokens"] for r in entry["runs"]) if measured else 0
-    n = config_tokens(cfg, prompt) if measured else {p: 0 for p in PHASES}
+    n = config_sizes(cfg, unit, prompt) if measured else {p: 0 for p in PHASES}
     budget = gpu_memory * (1 - HEADROOM)
     out: dict[str, Any] = {"config": str(config), "model": name, "measured": measured, "shapes": entry.get("shapes"), "layers": layers, "params": params["total"],
-                           "dtype": cfg.model.dtype, "prompt_tokens": prompt, "tokens": n, "gpus": gpus,
+                           "dtype": cfg.model.dtype, "prompt_tokens": prompt, "unit": unit, "tokens": n, "gpus": gpus,
                            "gpu_memory_gib": gpu_memory, "budget_gib": budget, "modes": {}}
     for mode, fsdp in (("replicated", False), ("fsdp", True)):
         static = static_gib(params, cfg, gpus, fsdp)
@@ -155,24 +166,28 @@ def plan(config: str | Path, gpus: int, gpu_memory: float, measurements: str | P
         # The sampler's KV cache, analytic: at the bench's few thousand tokens it hides in the noise of
         # the measured slope (36 KiB a token for the 3B at full depth, 13 GiB at 378k tokens), so the
         # sampling phase takes the larger of the fit and (its n = 0 part + the cache).
-        kv = params.get("kv_values_per_token_layer", 0) * DTYPE_BYTES[cfg.model.dtype] * layers * n["sampling"]
+        per_token = params.get("kv_values_per_token_layer", 0) if unit == "tokens" else 0  # rows: in the fit
+        kv = per_token * DTYPE_BYTES[cfg.model.dtype] * layers * n["sampling"]
         f = fits["sampling"]
         dyn["sampling"] = max(dyn["sampling"], (max(0.0, f.c0 + f.c1 * layers) * MIB + kv) / GIB)
         peak = {p: static[p] + dyn[p] + RUNTIME_GIB for p in PHASES}
-        # The largest micro-batch token count whose old_ref and update phases fit: solve static +
-        # dyn(L, n) + runtime <= budget for n in each, take the smaller.
+        # The largest micro-batch (tokens, or rows) whose old_ref and update phases fit: solve
+        # static + dyn(L, n) + runtime <= budget for n in each, take the smaller.
         limits = [] if measured else [float("inf")]
         for p in ("old_ref", "update") if measured else ():
             f = fits[p]
             room = (budget - static[p] - RUNTIME_GIB) * GIB / MIB - (f.c0 + f.c1 * layers)
             slope = f.d0 + f.d1 * layers
             limits.append(0 if room <= 0 else (room / slope if slope > 0 else float("inf")))
-        max_tokens = min(limits)
+        largest = min(limits)
+        if largest != float("inf"):
+            largest = int(largest // 1024 * 1024) if unit == "tokens" else int(largest)
         out["modes"][mode] = {
             "static_gib": static, "dyn_gib": dyn, "peak_gib": peak, "max_gib": max(peak.values()),
             "fits": max(peak.values()) <= budget and peak["sampling"] <= budget,
             "sampling_fits": peak["sampling"] <= budget,
-            "max_tokens_per_micro": None if max_tokens == float("inf") else int(max_tokens // 1024 * 1024),
+            # train.max_tokens_per_micro (tokens), or train.micro_batch_size (rows); None: unbounded
+            "max_micro": None if largest == float("inf") else largest,
         }
     out["fsdp_supported"] = cfg.model.policy in __import__("mmrl.config", fromlist=["FSDP_POLICIES"]).FSDP_POLICIES
     return out
@@ -183,8 +198,9 @@ def format_plan(p: dict[str, Any]) -> str:
     lines = [f"{p['config']}: {p['model']}, {p['params'] / 1e9:.2f}B parameters in {p['dtype']}, {p['layers']} layers; "
              f"{p['gpus']} GPU(s) of {p['gpu_memory_gib']:g} GiB (budget {p['budget_gib']:.1f} GiB each, "
              f"{HEADROOM:.0%} headroom)",
-             f"  tokens per sampler call {n['sampling']:,}, per micro-batch {n['update']:,} "
-             f"(prompt ~{p['prompt_tokens']} tokens incl. the image)",
+             (f"  tokens per sampler call {n['sampling']:,}, per micro-batch {n['update']:,} "
+              f"(prompt ~{p['prompt_tokens']} tokens incl. the image)" if p["unit"] == "tokens" else
+              f"  rows per sampler call {n['sampling']:,}, per micro-batch {n['update']:,} (a row's size is the config's)"),
              f"  {'phase':<10}{'replicated GiB':>16}{'FSDP x' + str(p['gpus']) + ' GiB':>16}"]
     if not p["measured"]:
         lines[1] = (f"  NOT MEASURED: static memory only (weights, reference, grads, AdamW states, frozen parts) of "
@@ -195,14 +211,15 @@ def format_plan(p: dict[str, Any]) -> str:
     lines.append(f"  {'static':<10}{rep['static_gib']['update']:>16.1f}{fs['static_gib']['update']:>16.1f}"
                  f"   (weights, reference, grads, AdamW states; + {RUNTIME_GIB:g} GiB runtime in each phase)")
     for mode, m in (("replicated", rep), (f"FSDP x{p['gpus']}", fs)):
-        tok = m["max_tokens_per_micro"]
+        tok = m["max_micro"]
         tok_s = ("not measured" if not p["measured"] else "none fits" if tok == 0 else
                  "unbounded" if tok is None else f"{tok:,}")
+        key = "train.max_tokens_per_micro" if p["unit"] == "tokens" else "train.micro_batch_size"
         verdict = "fits" if m["fits"] else ("sampling does not fit" if not m["sampling_fits"] else "does not fit")
         if not p["measured"]:
             verdict = "static memory fits (activations not included)" if m["fits"] else "static memory alone does not fit"
         lines.append(f"  {mode}: peak {'>= ' if not p['measured'] else ''}{m['max_gib']:.1f} GiB per GPU: {verdict}; largest "
-                     f"train.max_tokens_per_micro that fits: {tok_s}")
+                     f"{key} that fits: {tok_s}")
     if not p["fsdp_supported"]:
         lines.append("  note: mmrl shards only causal_lm with FSDP (train.fsdp); the FSDP column is what it would take")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mmrl.config import ConfigError
-from mmrl.plan import GIB, HEADROOM, MIB, RUNTIME_GIB, PhaseFit, linear_in_layers, plan
+from mmrl.plan import GIB, HEADROOM, MIB, RUNTIME_GIB, PhaseFit, format_plan, linear_in_layers, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/vqa_geometry3k_gpu.yaml"
@@ -55,16 +55,41 @@ def test_plan_static_and_token_budget(tmp_path):
     dyn = 100 + 10 * 36 + (0.02 + 0.01 * 36) * 16384
     assert rep["peak_gib"]["update"] == pytest.approx(rep["static_gib"]["update"] + dyn * MIB / GIB + RUNTIME_GIB)
     # The largest token budget puts the update's peak at the budget (rounded down to 1024 tokens).
-    tok = fs["max_tokens_per_micro"]
+    tok = fs["max_micro"]
     room = 80 * (1 - HEADROOM) - fs["static_gib"]["update"] - RUNTIME_GIB
     assert tok == int(((room * GIB / MIB) - 460) / (0.02 + 0.36)) // 1024 * 1024
     assert fs["max_gib"] < rep["max_gib"]
 
 
+def test_plan_counts_rows_where_the_config_fixes_a_row(tmp_path):
+    """A video / VLA measurement counts rows (a video of the config's frames, an episode): n is the
+    rows of a sampler call and of a micro-batch, the answer is a `train.micro_batch_size`, and no
+    per-token KV cache is added."""
+    config = "configs/video_wan_gpu.yaml"
+    f = PhaseFit(200.0, 300.0, 50.0, 40.0)  # MiB; n in rows
+    runs = [{"layers": L, "size": size, "prompt_tokens": 0, "n": {"sampling": n_s, "old_ref": n_m, "update": n_m},
+             "dyn_mib": {"sampling": f(L, n_s), "old_ref": f(L, n_m), "update": f(L, n_m)}}
+            for L, size, n_s, n_m in [(1, "a", 2, 1), (2, "a", 2, 1), (1, "b", 4, 2), (2, "b", 4, 2)]]
+    params = {"total": 1_400_000_000, "trainable": 1_400_000_000, "largest_block": 46_000_000, "layers": 30,
+              "frozen_extra_bytes": 2 * GIB, "kv_values_per_token_layer": 10**6}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"models": {"wan": {"config": config, "shapes": "x.json", "smoke": False,
+                                                   "unit": "rows", "runs": runs, "full_params": params}}}))
+    p = plan(ROOT / config, 1, 80.0, path)
+    rep = p["modes"]["replicated"]
+    assert p["tokens"] == {"sampling": 32, "old_ref": 32, "update": 32}  # 4 prompts x 8, no micro_batch_size
+    static = (1.4e9 * 2 + 1.4e9 * 2 + 1.4e9 * 2 * 3 + 2 * GIB) / GIB  # weights, reference (beta > 0), grads, Adam, frozen
+    assert rep["static_gib"]["sampling"] == pytest.approx(static)
+    assert rep["peak_gib"]["sampling"] == pytest.approx(static + f(30, 32) * MIB / GIB + RUNTIME_GIB)
+    room = (80 * (1 - HEADROOM) - static - RUNTIME_GIB) * GIB / MIB - (200 + 300 * 30)
+    assert rep["max_micro"] == int(room / (50 + 40 * 30))
+    assert "largest train.micro_batch_size that fits" in format_plan(p)
+
+
 def test_plan_says_when_nothing_fits(tmp_path):
     p = plan(ROOT / CONFIG, 1, 24.0, _measurements(tmp_path))
     rep = p["modes"]["replicated"]
-    assert not rep["fits"] and rep["max_tokens_per_micro"] == 0
+    assert not rep["fits"] and rep["max_micro"] == 0
 
 
 @pytest.mark.parametrize("args, message", [

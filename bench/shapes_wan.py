@@ -1,0 +1,104 @@
+"""bench/real_shapes.py, model `wan2_1_t2v_1_3b`: the causal Wan2.1-T2V-1.3B of
+`configs/video_wan_gpu.yaml` at its real width (`configs/real_shapes/wan2_1_t2v_1_3b.json`, the
+public diffusers config), depth cut to L blocks, with the real Wan VAE, at the config's frames and
+resolution."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ROOT / "configs" / "real_shapes" / "wan2_1_t2v_1_3b.json"
+
+
+def param_counts() -> dict:
+    """Full-depth parameters (meta device) and the frozen parts outside the policy's weights."""
+    import torch
+    from diffusers import WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    s = json.loads(SHAPES.read_text())
+    tr = {**s["transformer"], "patch_size": tuple(s["transformer"]["patch_size"])}
+    with torch.device("meta"):
+        wan = WanTransformer3DModel(**tr)
+        te = UMT5EncoderModel(UMT5Config(**{k: v for k, v in s["text_encoder"].items() if k != "model_type"}))
+    total = sum(p.numel() for p in wan.parameters())
+    block = max(sum(p.numel() for p in b.parameters()) for b in wan.blocks)
+    text = sum(p.numel() for p in te.parameters())
+    # Frozen and outside the policy's weights: the UMT5-XXL text encoder (loaded in its checkpoint's
+    # bf16), the Wan VAE (~127M, float32) and the CLIP ViT-L/14 reward (~428M, float32).
+    extra = text * 2 + 127_000_000 * 4 + 428_000_000 * 4
+    return {"total": total, "trainable": total, "largest_block": block, "layers": tr["num_layers"],
+            "frozen_extra_bytes": extra, "text_encoder": text}
+
+
+def _clip_folder(out: Path, corpus: list[str], real: bool) -> None:
+    """A CLIP for the `clip_score` reward: ViT-L/14's widths with one layer per tower (`real`; the
+    full tower is frozen and counted in `frozen_extra_bytes`), else a tiny one."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from mmrl.tiny import build_tokenizer
+
+    tok = build_tokenizer(corpus, vocab_size=300)
+    text = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12) if real else \
+        dict(hidden_size=16, intermediate_size=32, num_attention_heads=2)
+    vision = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, image_size=224, patch_size=14) \
+        if real else dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, image_size=32, patch_size=8)
+    cfg = CLIPConfig(text_config={"vocab_size": len(tok), "num_hidden_layers": 1, "max_position_embeddings": 77,
+                                  "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, **text},
+                     vision_config={"num_hidden_layers": 1, **vision}, projection_dim=768 if real else 8)
+    CLIPModel(cfg).save_pretrained(out)
+    side = vision["image_size"]
+    CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}),
+                  tokenizer=tok).save_pretrained(out)
+
+
+def prepare(work: Path, base, layers: int, width: str, caps: dict) -> list[str]:
+    """A Wan pipeline folder (transformer of `layers` blocks, text encoder, tokenizer, VAE) and a CLIP.
+
+    Real: the transformer at Wan2.1-1.3B's sizes, the VAE at Wan2.1's (its class defaults), the UMT5
+    text encoder at its real width (d_model 4096, the transformer's text_dim) but one layer and the
+    local tokenizer's vocabulary (frozen; the full UMT5-XXL is counted in `frozen_extra_bytes`), at the
+    config's 33 frames of 256 px. Tiny (--smoke): `build_tiny_parts`' latent model at 9 frames of 32 px."""
+    import torch
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from mmrl.envs import make_task
+    from mmrl.policies.video.causal_wan import CausalWan
+    from mmrl.policies.video.configuration import VideoGenConfig
+    from mmrl.policies.video.modeling import VideoGenPolicy, build_tiny_parts
+    from mmrl.tiny import build_tokenizer
+
+    real = width != "tiny"
+    params = dict(base.model.params)
+    task_params = dict(base.task.params)
+    if not real:
+        task_params.update(num_frames=9, image_size=32)
+        params["text_max_length"] = 16
+    corpus = make_task("video", seed=0, **task_params).corpus()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if real:
+            s = json.loads(SHAPES.read_text())
+            tr = {**s["transformer"], "patch_size": tuple(s["transformer"]["patch_size"]), "num_layers": layers}
+            generator = CausalWan(WanTransformer3DModel(**tr), params["chunk_frames"])
+            tokenizer = build_tokenizer(corpus, vocab_size=300)
+            te = {k: v for k, v in s["text_encoder"].items() if k not in ("model_type", "vocab_size", "num_layers")}
+            text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                                       num_layers=1, **te))
+            vae = AutoencoderKLWan()  # Wan2.1's VAE: the class defaults
+        else:
+            generator, text_encoder, tokenizer, vae = build_tiny_parts(
+                corpus, chunk_frames=params["chunk_frames"], latent=True, patch_size=(1, 2, 2), num_layers=layers)
+    policy = VideoGenPolicy(generator, text_encoder, tokenizer, VideoGenConfig(**params),
+                            num_frames=task_params["num_frames"], height=task_params["image_size"],
+                            width=task_params["image_size"], vae=vae)
+    policy.save(work / "model")
+    del policy, generator, text_encoder, vae
+    _clip_folder(work / "clip", corpus, real)
+    dtype = base.model.dtype if real else "float32"
+    return [f"model.path={work / 'model'}", f"model.dtype={dtype}", f"model.params={json.dumps(params)}",
+            f"task.params={json.dumps(task_params)}", f"rewards.0.params.path={work / 'clip'}",
+            "rewards.0.params.device=cpu"]
