@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import mmrl
-from mmrl.config import ConfigError
+from mmrl import algos
+from mmrl.cli import main
 from mmrl.flow import flow_timesteps, gaussian_kl, gaussian_logprob, sde_step
 from mmrl.trainer import Trainer
 
@@ -76,7 +77,22 @@ def test_the_kl_metric_is_the_formula_on_the_policys_and_the_references_step_mea
     assert metrics["train/kl_ref"] > 0
 
 
-def test_the_kl_gradient_is_the_same_with_unit_windows(tmp_path):
+def _direct_kl_term(trainer, rollout, ref_means):
+    """Flow-GRPO's KL written out on the video policy's own step forward (`_step`, not the
+    `_unit_steps` bookkeeping the trainer uses), aggregated as the trainer aggregates its terms."""
+    policy, C = trainer.policy, trainer.policy.num_chunks
+    states, text = rollout.extras["states"], rollout.extras["text"]
+    kl = []
+    for j in range(policy.config.num_steps):  # step j: units j*C .. j*C + C-1, one per chunk
+        _, mean, std = policy._step(policy.model, states, text, j)  # [N, ch, C, F/C, H, W]
+        ref = ref_means[:, j * C:(j + 1) * C]  # [N, C, ch, F/C, H, W]
+        kl.append(((mean.transpose(1, 2) - ref) ** 2).flatten(2).mean(-1) / (2 * std ** 2))
+    mask, budget = rollout.mask, trainer.unit_budget(rollout)
+    denom = algos.agg_denominator(mask, trainer.agg, budget)
+    return algos.aggregate(torch.cat(kl, 1), mask, trainer.agg, budget, denominator=denom)
+
+
+def test_the_kl_gradient_is_the_direct_one_and_the_same_with_unit_windows(tmp_path):
     trainer = _trainer(tmp_path)
     policy = trainer.policy
     rollout, _ = trainer.collect()
@@ -91,7 +107,18 @@ def test_the_kl_gradient_is_the_same_with_unit_windows(tmp_path):
 
     one_metrics, one = update(0, 0.5)
     _, without_kl = update(0, 1e-12)
-    assert any(not torch.allclose(one[k], without_kl[k]) for k in one), "the KL term moves the gradient"
+    # The KL term's share of the gradient (one mini-batch, one epoch: the grads of the first
+    # parameters) is beta times the gradient of the directly computed term.
+    policy.model.load_state_dict(state)
+    policy.model.zero_grad(set_to_none=True)
+    term = _direct_kl_term(trainer, rollout, policy.reference_means(rollout))
+    assert term.item() == pytest.approx(one_metrics["train/kl_ref"], rel=1e-5)
+    (0.5 * term).backward()
+    direct = {k: p.grad for k, p in policy.model.named_parameters() if p.grad is not None}
+    assert set(direct) <= set(one) and sum(float(g.abs().sum()) for g in direct.values()) > 0
+    for k in one:
+        expected = direct[k] if k in direct else torch.zeros_like(one[k])
+        torch.testing.assert_close(one[k] - without_kl[k], expected, atol=1e-6, rtol=1e-3)
     for chunk in (policy.num_chunks, 1):
         metrics, chunked = update(chunk, 0.5)
         assert metrics["train/kl_ref"] == pytest.approx(one_metrics["train/kl_ref"], rel=1e-5)
@@ -99,13 +126,14 @@ def test_the_kl_gradient_is_the_same_with_unit_windows(tmp_path):
             torch.testing.assert_close(one[k], chunked[k], atol=1e-6, rtol=1e-3)
 
 
-@pytest.mark.parametrize("config, overrides", [
-    ("configs/digit_sort_grpo.yaml", []),
-    ("configs/video_kvpo.yaml", []),
-])
-def test_gaussian_kl_is_refused_where_units_are_not_gaussian_steps(tmp_path, config, overrides):
-    with pytest.raises(ConfigError, match="algo.kl_kind: 'gaussian' needs units that are Gaussian denoising steps"):
-        mmrl.load_config(config, ["algo.beta=0.1", "algo.kl_kind=gaussian", f"train.output_dir={tmp_path}", *overrides])
+@pytest.mark.parametrize("config", ["configs/digit_sort_grpo.yaml", "configs/video_kvpo.yaml"])
+def test_gaussian_kl_is_refused_in_one_line_where_units_are_not_gaussian_steps(tmp_path, config, capsys):
+    """A text policy, and the video generator under KVPO (its units are branches of an ODE)."""
+    assert main(["train", config, "algo.beta=0.1", "algo.kl_kind=gaussian", f"train.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "algo.kl_kind: 'gaussian' needs units that are Gaussian denoising steps" in err
+    assert "accepted with: diffusion, smolvla, video_gen" in err and "else k1, k2, k3 or abs" in err
 
 
 def test_smolvla_kl_is_the_formula_on_its_chunk_means(tmp_path):
