@@ -77,7 +77,7 @@ def test_plan_counts_rows_where_the_config_fixes_a_row(tmp_path):
                                                    "unit": "rows", "runs": runs, "full_params": params}}}))
     p = plan(ROOT / config, 1, 80.0, path)
     rep = p["modes"]["replicated"]
-    assert p["tokens"] == {"sampling": 32, "old_ref": 32, "update": 32}  # 4 prompts x 8, no micro_batch_size
+    assert p["tokens"] == {"sampling": 32, "old_ref": 4, "update": 4}  # 4 prompts x 8 a call; micro_batch_size 4
     static = (1.4e9 * 2 + 1.4e9 * 2 + 1.4e9 * 2 * 3 + 2 * GIB) / GIB  # weights, reference (beta > 0), grads, Adam, frozen
     assert rep["static_gib"]["sampling"] == pytest.approx(static)
     assert rep["peak_gib"]["sampling"] == pytest.approx(static + f(30, 32) * MIB / GIB + RUNTIME_GIB)
