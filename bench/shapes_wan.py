@@ -34,8 +34,12 @@ def param_counts() -> dict:
 
 
 def _clip_folder(out: Path, corpus: list[str], real: bool) -> None:
-    """A CLIP for the `clip_score` reward: ViT-L/14's widths with one layer per tower (`real`; the
-    full tower is frozen and counted in `frozen_extra_bytes`), else a tiny one."""
+    """A CLIP for the `clip_score` reward, saved with the processor the reward loads offline
+    (`CLIPModel` / `CLIPProcessor.from_pretrained(path, local_files_only=True)`): ViT-L/14's widths
+    (vision 1024, text 768, projection 768, 14 px patches of 224 px images) with one layer per tower
+    (`real`; the full towers are frozen and counted in `frozen_extra_bytes`), else a tiny one. Float32,
+    as the reward runs it. Its tokenizer is one trained on the prompts (no hub access)."""
+    import torch
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     from mmrl.tiny import build_tokenizer
@@ -48,57 +52,78 @@ def _clip_folder(out: Path, corpus: list[str], real: bool) -> None:
     cfg = CLIPConfig(text_config={"vocab_size": len(tok), "num_hidden_layers": 1, "max_position_embeddings": 77,
                                   "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, **text},
                      vision_config={"num_hidden_layers": 1, **vision}, projection_dim=768 if real else 8)
-    CLIPModel(cfg).save_pretrained(out)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        CLIPModel(cfg).save_pretrained(out)
     side = vision["image_size"]
-    CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}),
-                  tokenizer=tok).save_pretrained(out)
+    images = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(out)
 
 
-def prepare(work: Path, base, layers: int, width: str, caps: dict) -> list[str]:
-    """A Wan pipeline folder (transformer of `layers` blocks, text encoder, tokenizer, VAE) and a CLIP.
-
-    Real: the transformer at Wan2.1-1.3B's sizes, the VAE at Wan2.1's (its class defaults), the UMT5
-    text encoder at its real width (d_model 4096, the transformer's text_dim) but one layer and the
-    local tokenizer's vocabulary (frozen; the full UMT5-XXL is counted in `frozen_extra_bytes`), at the
-    config's 33 frames of 256 px. Tiny (--smoke): `build_tiny_parts`' latent model at 9 frames of 32 px."""
+def _real_parts(corpus: list[str], layers: int, chunk_frames: int, dtype: str) -> tuple:
+    """(generator, text encoder, tokenizer, VAE) at the JSON's real sizes: the Wan transformer with
+    `layers` blocks and the UMT5 encoder (d_model 4096 = the transformer's text_dim) with one layer,
+    both in `dtype` (the checkpoint's), and the Wan2.1 VAE in float32 (as its pipeline runs it)."""
     import torch
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from mmrl.envs import make_task
     from mmrl.policies.video.causal_wan import CausalWan
+    from mmrl.tiny import build_tokenizer
+
+    s = json.loads(SHAPES.read_text())
+    tr = {**s["transformer"], "patch_size": tuple(s["transformer"]["patch_size"]), "num_layers": layers}
+    generator = CausalWan(WanTransformer3DModel(**tr), chunk_frames).to(getattr(torch, dtype))
+    # UMT5's 256k vocabulary would only add an embedding table that is looked up, never multiplied:
+    # the local tokenizer's ~300 tokens keep the saved folder small (the full table is in
+    # frozen_extra_bytes).
+    tokenizer = build_tokenizer(corpus, vocab_size=300)
+    te = {k: v for k, v in s["text_encoder"].items() if k not in ("model_type", "vocab_size", "num_layers")}
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                               num_layers=1, **te)).to(getattr(torch, dtype))
+    # The JSON's sizes; the rest (dim_mult, res blocks, latents_mean / std of 16 channels) are the
+    # class defaults, which are Wan2.1's VAE.
+    vae = AutoencoderKLWan(**s["vae"])
+    return generator, text_encoder, tokenizer, vae
+
+
+def prepare(work: Path, base, layers: int, width: str, caps: dict) -> list[str]:
+    """A Wan pipeline folder (`VideoGenPolicy.save`: transformer/ of `layers` blocks + causal_wan.json,
+    text_encoder/, tokenizer/, vae/, mmrl_video.json) in `work/model` and a CLIP in `work/clip`.
+
+    Real: `_real_parts` at the config's 33 frames of 256 px (9 latent frames of 32 x 32, 3 chunks)
+    and `model.params` as configured. Tiny (--smoke): `build_tiny_parts`' latent model (a tiny Wan VAE
+    with the real 4x / 8x compression) at the config's 33 frames but 32 px (9 latent frames of 4 x 4:
+    still 3 chunks, so the smoke runs the KV-cache path the real step does)."""
+    import torch
+
+    from mmrl.envs import make_task
     from mmrl.policies.video.configuration import VideoGenConfig
     from mmrl.policies.video.modeling import VideoGenPolicy, build_tiny_parts
-    from mmrl.tiny import build_tokenizer
 
     real = width != "tiny"
     params = dict(base.model.params)
     task_params = dict(base.task.params)
+    prompts = Path(task_params["prompt_file"])  # relative to the repository (a child may run from bench/)
+    task_params["prompt_file"] = str(prompts if prompts.is_absolute() else ROOT / prompts)
     if not real:
-        task_params.update(num_frames=9, image_size=32)
-        params["text_max_length"] = 16
-    corpus = make_task("video", seed=0, **task_params).corpus()
+        task_params["image_size"] = 32
+    corpus = make_task(base.task.name, seed=0, **task_params).corpus()
+    dtype = base.model.dtype if real else "float32"  # tiny: float32, as the other smoke models
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if real:
-            s = json.loads(SHAPES.read_text())
-            tr = {**s["transformer"], "patch_size": tuple(s["transformer"]["patch_size"]), "num_layers": layers}
-            generator = CausalWan(WanTransformer3DModel(**tr), params["chunk_frames"])
-            tokenizer = build_tokenizer(corpus, vocab_size=300)
-            te = {k: v for k, v in s["text_encoder"].items() if k not in ("model_type", "vocab_size", "num_layers")}
-            text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                                       num_layers=1, **te))
-            vae = AutoencoderKLWan()  # Wan2.1's VAE: the class defaults
+            generator, text_encoder, tokenizer, vae = _real_parts(corpus, layers, params["chunk_frames"], dtype)
         else:
             generator, text_encoder, tokenizer, vae = build_tiny_parts(
                 corpus, chunk_frames=params["chunk_frames"], latent=True, patch_size=(1, 2, 2), num_layers=layers)
+    # the policy's own checks (model frames split into chunks, VAE compression) run here, at build time
     policy = VideoGenPolicy(generator, text_encoder, tokenizer, VideoGenConfig(**params),
                             num_frames=task_params["num_frames"], height=task_params["image_size"],
                             width=task_params["image_size"], vae=vae)
     policy.save(work / "model")
-    del policy, generator, text_encoder, vae
+    del policy, generator, text_encoder, vae  # the child measures from a clean RSS
     _clip_folder(work / "clip", corpus, real)
-    dtype = base.model.dtype if real else "float32"
-    return [f"model.path={work / 'model'}", f"model.dtype={dtype}", f"model.params={json.dumps(params)}",
+    return [f"model.path={work / 'model'}", "model.source=pretrained", f"model.dtype={dtype}",
             f"task.params={json.dumps(task_params)}", f"rewards.0.params.path={work / 'clip'}",
             "rewards.0.params.device=cpu"]
