@@ -77,10 +77,10 @@ def test_plan_counts_rows_where_the_config_fixes_a_row(tmp_path):
                                                    "unit": "rows", "runs": runs, "full_params": params}}}))
     p = plan(ROOT / config, 1, 80.0, path)
     rep = p["modes"]["replicated"]
-    assert p["tokens"] == {"sampling": 32, "old_ref": 4, "update": 4}  # 4 prompts x 8 a call; micro_batch_size 4
+    assert p["tokens"] == {"sampling": 8, "old_ref": 4, "update": 4}  # rollout.batch_size 8 a call; micro_batch_size 4
     static = (1.4e9 * 2 + 1.4e9 * 2 + 1.4e9 * 2 * 3 + 2 * GIB) / GIB  # weights, reference (beta > 0), grads, Adam, frozen
     assert rep["static_gib"]["sampling"] == pytest.approx(static)
-    assert rep["peak_gib"]["sampling"] == pytest.approx(static + f(30, 32) * MIB / GIB + RUNTIME_GIB)
+    assert rep["peak_gib"]["sampling"] == pytest.approx(static + f(30, 8) * MIB / GIB + RUNTIME_GIB)
     room = (80 * (1 - HEADROOM) - static - RUNTIME_GIB) * GIB / MIB - (200 + 300 * 30)
     assert rep["max_micro"] == int(room / (50 + 40 * 30))
     assert "largest train.micro_batch_size that fits" in format_plan(p)
