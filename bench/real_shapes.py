@@ -188,6 +188,7 @@ def run_setting(model: str, layers: int, size: str, width: str) -> dict:
 
     import mmrl
     from mmrl.config import load_config, read_config_file, typed_config
+    from mmrl.plan import PHASES
     from mmrl.trainer import Trainer
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
@@ -254,7 +255,7 @@ def run_setting(model: str, layers: int, size: str, width: str) -> dict:
     n_params = sum(p.numel() for p in policy.model.parameters())
     n_train = sum(p.numel() for p in trainer.params)
     n_ref = sum(p.numel() for p in policy.reference.parameters()) if getattr(policy, "reference", None) is not None else 0
-    phases = {k: round(meter.peak.get(k, static) - libs, 1) for k in ("sampling", "old_ref", "update")}
+    phases = {k: round(meter.peak.get(k, static) - libs, 1) for k in PHASES}
     shutil.rmtree(work, ignore_errors=True)  # the saved model (GBs at real width)
     return {"model": model, "layers": layers, "size": size, "unit": spec.unit, "libs_mib": round(libs, 1),
             "static_mib": round(static - libs, 1), "peak_mib": phases,
@@ -308,10 +309,12 @@ def fit_check(runs: list[dict]) -> dict:
     by = {(r["layers"], r["size"]): r for r in runs}
     if not all(k in by for k in [(1, "a"), (2, "a"), (4, "a")]):
         return {}
+    from mmrl.plan import PHASES, linear_in_layers
+
     out = {}
-    for phase in ("sampling", "old_ref", "update"):
+    for phase in PHASES:
         m1, m2, m4 = (by[(L, "a")]["peak_mib"][phase] for L in (1, 2, 4))
-        pred = m1 + 3 * (m2 - m1)
+        pred = linear_in_layers(m1, m2, 4)
         out[phase] = {"predicted_mib": round(pred, 1), "measured_mib": m4, "error": round(pred / m4 - 1, 4)}
     return out
 

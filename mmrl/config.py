@@ -536,7 +536,7 @@ def _check(cond: bool, msg: str) -> None:
 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks and registry names (imports are local: registries fill on import)."""
-    from mmrl.algos import get_advantage_spec, get_loss_spec, list_algorithms
+    from mmrl.algos import GAUSSIAN_KL, get_advantage_spec, get_loss_spec, list_algorithms
     from mmrl.envs import task_class, task_names
     from mmrl.policies import POLICIES, policy_class
     from mmrl.rewards import REWARDS, build_reward
@@ -564,7 +564,7 @@ def validate(cfg: RunConfig) -> None:
         policy_class(cfg.model.policy).check_params(cfg.model.params)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.algo.kl_kind == "gaussian":
+    if cfg.algo.kl_kind == GAUSSIAN_KL:
         cls = policy_class(cfg.model.policy)
         ok = getattr(cls, "GAUSSIAN_UNITS", False) and cls.supports_gaussian_kl(cfg.model.params)
         gaussian = sorted(n for n in POLICIES if getattr(policy_class(n), "GAUSSIAN_UNITS", False))

@@ -682,11 +682,11 @@ class Trainer:
             with self.autocast:
                 old_logp = self.in_micro_batches(rollout, lambda rows: self.policy.logprobs(
                     self.micro_part(rollout, rows))[0])
-        ref_logp = None  # or, with the gaussian KL, the reference's step means [N, T, *unit_shape]
+        ref = None  # the reference's log-probs [N, T], or with the gaussian KL its step means [N, T, *unit_shape]
         if a.beta > 0 and N:
             reference = self.policy.reference_means if self.gaussian_kl else self.policy.reference_logprobs
             with self.autocast:
-                ref_logp = self.in_micro_batches(rollout, lambda rows: reference(self.micro_part(rollout, rows)))
+                ref = self.in_micro_batches(rollout, lambda rows: reference(self.micro_part(rollout, rows)))
         # One image mask per rollout, kept for every epoch of this update.
         masked = self.policy.mask_images(rollout, a.mask_prob, self.sample_gen) if a.masks_images and N else None
         if a.certainty_reweight > 0 and N:
@@ -718,7 +718,7 @@ class Trainer:
                     loss, metrics = self.backward_micro(
                         part, None if masked is None else self.micro_part(masked, micro), mask[micro, :T],
                         old_logp[micro, :T], adv[micro] if adv.dim() == 1 else adv[micro, :T],
-                        None if ref_logp is None else ref_logp[micro, :T], denom)
+                        None if ref is None else ref[micro, :T], denom)
                     sums["loss"] += loss
                     for k, v in metrics.items():
                         if k in SUMMED_TERMS:

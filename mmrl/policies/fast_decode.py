@@ -8,7 +8,8 @@ model's rotary module so every RoPE variant HF supports stays exact. On small la
 q|k|v and gate|up into one matmul each and transposes the decode step's weights once per sampling
 call; those are copies of the weights, so above `FUSE_MAX_LAYER_PARAMS` (where the arithmetic, not
 the op count, is the cost) every matmul reads the model's own weights through views instead: a
-3B model would otherwise hold ~240 MiB of copies per layer, ~8.5 GiB in all, while sampling. Gradients flow to the HF parameters, so the trainer can use it for the update too.
+3B model would otherwise hold ~240 MiB of copies per layer, ~8.5 GiB in all, while sampling.
+Gradients flow to the HF parameters, so the trainer can use it for the update too.
 Anything it does not recognise falls back to the HF forward (`FastDecoder.maybe` returns None).
 Parity with the HF forward, in values and gradients, is tested.
 

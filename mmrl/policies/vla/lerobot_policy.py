@@ -115,9 +115,10 @@ class LeRobotChunkPolicy(FlowPolicyBase):
         zeros = lambda *shape: torch.zeros(N, S, K, *shape, device=self.device)  # noqa: E731
         logp, kl, means = zeros(), zeros() if ref_means is not None else None, zeros(*chunk) if with_means else None
         if len(rows):
-            inputs = denoising_inputs(rollout, rows, steps, K, self.device)
+            inputs = denoising_inputs(rollout, rows, steps, K, self.device)  # (images, states, instructions, chains)
             mean, std = self._chain_steps(model, inputs)
-            M, x_next = len(rows), inputs[3][:, 1:].reshape(-1, *chunk)
+            chains = inputs[3]  # [M, K+1, *chunk]: each chain's start, then the state after each step
+            M, x_next = len(rows), chains[:, 1:].reshape(-1, *chunk)
             logp = logp.index_put((rows, steps), gaussian_logprob(x_next, mean, std).view(M, K))
             if kl is not None:
                 ref = ref_means.view(N, S, K, *chunk)[rows, steps].reshape(M * K, *chunk)

@@ -430,13 +430,11 @@ class SmolVLAPolicy(LeRobotChunkPolicy):
         v_fn = self._velocity(model, pad, cache)
         means, stds = [], []
         for k in range(K):
-            x = states[:, k]
-            _, mean, std = sde_step(x, v_fn(x, ts[k].expand(M)), float(ts[k]), float(ts[k + 1] - ts[k]), self.eta,
-                                    noise=torch.zeros_like(x))
+            x, t, dt = states[:, k], ts[k].expand(M), (ts[k + 1] - ts[k]).expand(M)  # per-row times: std [M, 1, ...]
+            _, mean, std = sde_step(x, v_fn(x, t), t, dt, self.eta, noise=torch.zeros_like(x))
             means.append(mean)
-            stds.append(torch.as_tensor(std, dtype=mean.dtype, device=mean.device).expand(M))
-        shape = (M * K, *[1] * (states.dim() - 2))
-        return torch.stack(means, 1).flatten(0, 1), torch.stack(stds, 1).reshape(shape)
+            stds.append(std)
+        return torch.stack(means, 1).flatten(0, 1), torch.stack(stds, 1).flatten(0, 1)  # sample-major, as batched
 
     # ------------------------------------------------------------------ SFT
 
