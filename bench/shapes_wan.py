@@ -33,33 +33,6 @@ def param_counts() -> dict:
             "frozen_extra_bytes": extra, "text_encoder": text}
 
 
-def _clip_folder(out: Path, corpus: list[str], real: bool) -> None:
-    """A CLIP for the `clip_score` reward, saved with the processor the reward loads offline
-    (`CLIPModel` / `CLIPProcessor.from_pretrained(path, local_files_only=True)`): ViT-L/14's widths
-    (vision 1024, text 768, projection 768, 14 px patches of 224 px images) with one layer per tower
-    (`real`; the full towers are frozen and counted in `frozen_extra_bytes`), else a tiny one. Float32,
-    as the reward runs it. Its tokenizer is one trained on the prompts (no hub access)."""
-    import torch
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    from mmrl.tiny import build_tokenizer
-
-    tok = build_tokenizer(corpus, vocab_size=300)
-    text = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12) if real else \
-        dict(hidden_size=16, intermediate_size=32, num_attention_heads=2)
-    vision = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, image_size=224, patch_size=14) \
-        if real else dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, image_size=32, patch_size=8)
-    cfg = CLIPConfig(text_config={"vocab_size": len(tok), "num_hidden_layers": 1, "max_position_embeddings": 77,
-                                  "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, **text},
-                     vision_config={"num_hidden_layers": 1, **vision}, projection_dim=768 if real else 8)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        CLIPModel(cfg).save_pretrained(out)
-    side = vision["image_size"]
-    images = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
-    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(out)
-
-
 def _real_parts(corpus: list[str], layers: int, chunk_frames: int, dtype: str) -> tuple:
     """(generator, text encoder, tokenizer, VAE) at the JSON's real sizes: the Wan transformer with
     `layers` blocks and the UMT5 encoder (d_model 4096 = the transformer's text_dim) with one layer,
@@ -100,6 +73,7 @@ def prepare(work: Path, base, layers: int, width: str, caps: dict) -> list[str]:
     from mmrl.envs import make_task
     from mmrl.policies.video.configuration import VideoGenConfig
     from mmrl.policies.video.modeling import VideoGenPolicy, build_tiny_parts
+    from mmrl.tiny import save_clip
 
     real = width != "tiny"
     params = dict(base.model.params)
@@ -123,7 +97,7 @@ def prepare(work: Path, base, layers: int, width: str, caps: dict) -> list[str]:
                             width=task_params["image_size"], vae=vae)
     policy.save(work / "model")
     del policy, generator, text_encoder, vae  # the child measures from a clean RSS
-    _clip_folder(work / "clip", corpus, real)
+    save_clip(work / "clip", corpus, real)
     return [f"model.path={work / 'model'}", "model.source=pretrained", f"model.dtype={dtype}",
             f"task.params={json.dumps(task_params)}", f"rewards.0.params.path={work / 'clip'}",
             "rewards.0.params.device=cpu"]

@@ -35,9 +35,15 @@ from mmrl.rewards.captioning.qa import cached_judge, judge_captions
 
 
 def _accuracy(judge, captions: Sequence[str], contexts: Sequence[dict], rng: np.random.Generator,
-              max_questions: int | None) -> np.ndarray:
+              max_questions: int | None, tally: dict[str, Any]) -> np.ndarray:
+    """Each caption's judged accuracy; `tally` adds up the judged and failed replies over calls
+    (and holds the reasons already warned about, said once per evaluation)."""
     qa = [c["qa"][:max_questions] for c in contexts]
-    per = judge_captions(judge, captions, qa, [int(c.get("grid", 2)) for c in contexts], rng)
+    stats: dict[str, Any] = {}
+    per = judge_captions(judge, captions, qa, [int(c.get("grid", 2)) for c in contexts], rng, stats=stats,
+                         warned=tally.setdefault("warned", set()))
+    tally["judged"] = tally.get("judged", 0) + stats.get("judged", 0)
+    tally["failed"] = tally.get("failed", 0) + stats.get("failed", 0)
     return np.array([a.mean() if a.size else 0.0 for a in per])
 
 
@@ -64,12 +70,13 @@ def evaluate_captioner(policy, contexts: Sequence[dict], judge_spec: str | dict[
     n = len(contexts)
     sampled = captions_of(policy, contexts, k, seed=seed)
     greedy = [c[0] for c in captions_of(policy, contexts, 1, temperature=0.0, seed=seed)]
+    tally: dict[str, Any] = {}
     acc = _accuracy(judge, [c for caps in sampled for c in caps], [x for x in contexts for _ in range(k)], rng,
-                    max_questions).reshape(n, k)
-    greedy_acc = _accuracy(judge, greedy, contexts, rng, max_questions)
+                    max_questions, tally).reshape(n, k)
+    greedy_acc = _accuracy(judge, greedy, contexts, rng, max_questions, tally)
     # Grounding check: image i's questions judged from the greedy caption of image i+1.
-    shuffled = _accuracy(judge, greedy[1:] + greedy[:1], contexts, rng, max_questions) if n > 1 else greedy_acc
-    floor = _accuracy(judge, [""] * n, contexts, rng, max_questions)
+    shuffled = _accuracy(judge, greedy[1:] + greedy[:1], contexts, rng, max_questions, tally) if n > 1 else greedy_acc
+    floor = _accuracy(judge, [""] * n, contexts, rng, max_questions, tally)
     lengths = np.array([len(c.split()) for caps in sampled for c in caps])
     metrics = {
         "caption_acc_mean": float(acc.mean()), f"caption_acc_best_of_{k}": float(acc.max(1).mean()),
@@ -81,7 +88,9 @@ def evaluate_captioner(policy, contexts: Sequence[dict], judge_spec: str | dict[
     }
     if all(c.get("target") for c in contexts):
         metrics["caption_acc_reference"] = float(_accuracy(judge, [c["target"] for c in contexts], contexts, rng,
-                                                           max_questions).mean())
+                                                           max_questions, tally).mean())
+    # The replies the judge could not give (scored 0 above): a judge that is down shows here, not as a bad captioner.
+    metrics["judge_unjudged_share"] = tally["failed"] / tally["judged"] if tally["judged"] else 0.0
     raw = {"sampled": sampled, "greedy": greedy, "acc": acc.tolist(), "greedy_acc": greedy_acc.tolist()}
     return metrics, raw
 
@@ -103,7 +112,8 @@ def markdown_table(rows: dict[str, dict[str, float]], k: int) -> str:
     keys = [("caption_acc_no_caption", "no caption (floor)"), ("caption_acc_mean", "mean"),
             (f"caption_acc_best_of_{k}", f"best of {k}"), ("caption_acc_greedy", "greedy"),
             ("caption_acc_shuffled_images", "greedy, wrong image"), ("caption_acc_reference", "reference caption"),
-            ("caption_len_mean", "length (words), mean"), ("caption_len_max", "length, max")]
+            ("caption_len_mean", "length (words), mean"), ("caption_len_max", "length, max"),
+            ("judge_unjudged_share", "judge replies unusable (share)")]
     names = list(rows)
     lines = ["| metric | " + " | ".join(names) + " |", "| --- | " + " | ".join("---:" for _ in names) + " |"]
     for key, label in keys:

@@ -321,12 +321,22 @@ def write_vla_report(policy, suites: Sequence[tuple[str, Any]], out_dir: str | P
     return record
 
 
-def _load_policy(cfg, checkpoint: str | None):
+def saved_policy_kind(path: str | Path) -> str | None:
+    """The `model.policy` of a folder written by a VLA policy's `save` (the run's final/), told by
+    the settings file that adapter writes beside its weights; None for anything else (a run or
+    step_NNNNNN checkpoint). The Diffusion Policy's folder holds lerobot's model.safetensors like a
+    checkpoint does, so only its settings file tells them apart."""
+    from mmrl.policies.vla.configuration import ACTION_VLA_CONFIG_NAME, DIFFUSION_CONFIG_NAME, SMOLVLA_CONFIG_NAME
+
+    kinds = {ACTION_VLA_CONFIG_NAME: "action_vla", SMOLVLA_CONFIG_NAME: "smolvla", DIFFUSION_CONFIG_NAME: "diffusion"}
+    return next((kind for name, kind in kinds.items() if (Path(path) / name).is_file()), None)
+
+
+def load_saved_policy(cfg, checkpoint: str | None):
     """The config's policy with the checkpoint's weights: a run dir (latest step), a step_NNNNNN
     dir, or a directory written by `policy.save` (the run's final/)."""
     from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
     from mmrl import build
-    from mmrl.policies.vla.configuration import ACTION_VLA_CONFIG_NAME, SMOLVLA_CONFIG_NAME
 
     run_dir = Path(cfg.train.output_dir)
     if checkpoint is None:
@@ -334,7 +344,11 @@ def _load_policy(cfg, checkpoint: str | None):
     ckpt = Path(checkpoint)
     if not ckpt.is_dir():
         raise FileNotFoundError(f"--checkpoint {ckpt} is not a directory")
-    if (ckpt / ACTION_VLA_CONFIG_NAME).is_file() or (ckpt / SMOLVLA_CONFIG_NAME).is_file():
+    kind = saved_policy_kind(ckpt)
+    if kind is not None:
+        if kind != cfg.model.policy:
+            raise ValueError(f"--checkpoint {ckpt} holds a saved {kind!r} policy, but the config builds "
+                             f"{cfg.model.policy!r}; give the config it was trained with")
         cfg.model.source, cfg.model.path = "pretrained", str(ckpt)
         task, policy = build(cfg)
         return task, policy, ckpt.parent
@@ -376,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmrl.config import load_config
 
     cfg = load_config(a.config, a.overrides)
-    _, policy, run_dir = _load_policy(cfg, a.checkpoint)
+    _, policy, run_dir = load_saved_policy(cfg, a.checkpoint)
     suites = suite_tasks(cfg, a.suite, a.trials)
     with torch.no_grad():
         record = write_vla_report(policy, suites, a.out or run_dir / "eval", a.method or run_dir.name, a.mode,

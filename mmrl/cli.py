@@ -31,7 +31,7 @@ def run_training(cfg, resume: bool = True):
 def cmd_train(args) -> int:
     from mmrl.config import load_config
 
-    from mmrl.trainer import TrainingInterrupted
+    from mmrl.trainer import TrainingFailed, TrainingInterrupted
 
     if args.nproc > 1:
         return launch(args)
@@ -43,6 +43,9 @@ def cmd_train(args) -> int:
         print(f"mmrl: {stop.signal_name} {stop.where}; checkpoint saved to {stop.checkpoint}. "
               f"Resume with the same command: {command}", file=sys.stderr)
         return 130
+    except TrainingFailed as fault:  # e.g. the reward's judge is down: one line, the checkpoint is saved
+        print(f"mmrl: error: {fault}", file=sys.stderr)
+        return 1
     from mmrl import distributed
 
     if not distributed.current().is_main:  # rank 0 reports for the run
@@ -83,6 +86,11 @@ def launch(args) -> int:
 def cmd_eval(args) -> int:
     from mmrl.checkpoint import eval_config
 
+    if args.compare or args.benchmark:
+        return cmd_benchmark(args)
+    if args.checkpoint is None:
+        raise ValueError("mmrl eval needs --checkpoint RUN (a run's held-out evaluation), --benchmark NAME --model "
+                         "DIR (a public benchmark, no config) or --compare A.json B.json")
     config, overrides = args.config, list(args.overrides)
     if config is not None and ("=" in config or config.startswith("~")) and not Path(config).exists():
         config, overrides = None, [config, *overrides]  # `eval --checkpoint RUN key=value`: no CONFIG given
@@ -93,6 +101,20 @@ def cmd_eval(args) -> int:
     written = task.evaluate_checkpoint(cfg, policy, args.checkpoint, output=args.output, splits=args.splits)
     print(f"written: {written}")
     return 0
+
+
+def cmd_benchmark(args) -> int:
+    """`mmrl eval --benchmark NAME --model DIR_OR_HUB_ID` (no training config) and `--compare A B`."""
+    if args.config is not None or args.overrides:
+        raise ValueError(f"--benchmark / --compare take no CONFIG or key=value overrides (got "
+                         f"{' '.join([args.config or '', *args.overrides]).strip()!r}); the model folder is the input")
+    if args.benchmark == "libero":
+        from mmrl.evals.libero_benchmark import main as libero_main
+
+        return libero_main(args)
+    from mmrl.evals.vqa_benchmark import main as vqa_main
+
+    return vqa_main(args)
 
 
 def cmd_fetch_assets(args) -> int:
@@ -136,6 +158,9 @@ PASSTHROUGH = {"caption-filter": cmd_caption_filter, "caption-eval": cmd_caption
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mmrl.evals import libero_benchmark, vqa_benchmark
+    from mmrl.evals.bench_official import BENCHMARKS
+
     parser = argparse.ArgumentParser(prog="mmrl", description="RL post-training for multimodal models")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train from a YAML config")
@@ -149,13 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?", help="optional: the run's own config.yaml is used; a CONFIG given must "
                    "agree with it on everything the weights were trained with")
     p.add_argument("overrides", nargs="*", help="dotted overrides on top of the run's config, e.g. train.eval_size=8")
-    p.add_argument("--checkpoint", required=True, help="a run directory (its newest checkpoint) or a step_NNNNNN "
-                   "directory in one")
+    p.add_argument("--checkpoint", help="a run directory (its newest checkpoint) or a step_NNNNNN directory in one")
     p.add_argument("--output", help="where to write the JSON result (planning and robot tasks: the report folder)")
     p.add_argument("--splits", nargs="+", help="planning tasks: the splits to evaluate (test, ood, paper; "
                    "default: test ood, and paper when --paper-split is given)")
     p.add_argument("--paper-split", help="planning tasks: the folder holding the VPRL paper's test metadata "
                    "(vprl_*_test_meta.json), an evaluation-only input")
+    p.add_argument("--benchmark", choices=(*BENCHMARKS, "libero"), help="a public benchmark, no training config: "
+                   "the VQA sets take --model and --data; libero takes --model and --suites")
+    p.add_argument("--model", help="--benchmark: a Hugging Face model folder or hub id, a run's final/ export, or a "
+                   "run folder / step_NNNNNN checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="--benchmark: the sampling / environment seed (default 0)")
+    vqa_benchmark.add_arguments(p)
+    libero_benchmark.add_arguments(p)
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("algos", help="list every algorithm name with its citation")
     p.set_defaults(fn=cmd_algos)

@@ -3,8 +3,10 @@
 Each rank samples its own whole groups, so group statistics never cross ranks. What must be
 global is made so here: the batch the advantage estimator sees (gathered), the loss normaliser
 (all-reduced), the gradient (averaged: all-reduced in replicate mode, reduce-scattered by FSDP2
-when `train.fsdp`), and the metrics. Each rank's loss is scaled so that the average over ranks of
-the per-rank gradients is the gradient of one process on the whole batch.
+when `train.fsdp`), the metrics (what one process logs on the union batch) and the held-out
+evaluation (each rank scores its block; the scores are gathered). Each rank's loss is scaled so
+that the average over ranks of the per-rank gradients is the gradient of one process on the whole
+batch.
 
 With one process every helper is the identity, so a single-process run is unchanged bit for bit.
 """
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Collection
 from typing import Any, Iterator
 
 import torch
@@ -156,29 +160,79 @@ def broadcast_parameters(d: Dist, module: torch.nn.Module) -> None:
         t.data.copy_(buf.to(t.device))
 
 
-# Metrics combined over ranks by a sum (counters) instead of a mean; *_max / *_min by max / min.
+def rank_block(n: int, d: Dist) -> slice:
+    """This rank's contiguous block of `n` items (the first n % world ranks take one more), so the
+    blocks joined in rank order are the items in their order."""
+    base, extra = divmod(n, d.world)
+    start = d.rank * base + min(d.rank, extra)
+    return slice(start, start + base + (d.rank < extra))
+
+
+def gather_objects(d: Dist, items: list[Any]) -> list[Any]:
+    """Every rank's `items` (picklable; tensors travel on the CPU) joined in rank order."""
+    if not d.active:
+        return items
+    every: list[list[Any]] = [[] for _ in range(d.world)]
+    dist.all_gather_object(every, [x.cpu() if isinstance(x, torch.Tensor) else x for x in items])
+    return [x for part in every for x in part]
+
+
+def first_message(d: Dist, message: str | None) -> str | None:
+    """The first rank's (in rank order) message that is not None, on every rank; a fault one rank
+    met then ends the step on all of them together instead of leaving the others in a collective."""
+    if not d.active:
+        return message
+    every: list[str | None] = [None] * d.world
+    dist.all_gather_object(every, message)
+    return next((m for m in every if m is not None), None)
+
+
+# Metrics combined over ranks by a sum (counters) instead of a mean.
 SUMMED_METRICS = ("sampling/kept_groups", "sampling/short_groups", "replay/pushed", "replay/drawn",
                   "replay/size", "guide/failed_groups", "gen_tokens")
+# The loss and the terms normalised by the whole step over every rank (trainer.SUMMED_TERMS): each
+# rank logs world x its share, so one process's value is their mean over every rank, a rank without
+# rows (which logs none) counting 0.
+STEP_NORMALISED = ("train/loss", "train/entropy", "train/kl_ref", "train/perception_kl", "train/entropy_masked")
+_EXTREME = re.compile(r"[/_](max|min)$")  # adv/max, len/max, ratio_min: whatever the separator
 
 
-def reduce_metrics(d: Dist, metrics: dict[str, float]) -> dict[str, float]:
-    """Combine every rank's metrics: means, counters summed, extremes by max / min. A key that only
-    some ranks logged (a warning's counter) is combined over those."""
+def combine(key: str, values: list[float], weights: list[float], world: int, summed: bool = False) -> float:
+    """One metric's value over the ranks that logged it: extremes by max / min, counters summed,
+    step-normalised loss terms averaged over the `world`, else the mean weighted by how many items
+    each rank's value is a mean over. Equal values pass through unchanged: a statistic every rank
+    computed on the gathered batch is already the one-process value."""
+    extreme = _EXTREME.search(key)
+    if extreme:
+        return max(values) if extreme.group(1) == "max" else min(values)
+    if summed or key in SUMMED_METRICS:
+        return sum(values)
+    if key in STEP_NORMALISED:
+        return sum(values) / world
+    if min(values) == max(values):
+        return values[0]
+    total = sum(weights)
+    if total <= 0:  # no rank had an item: the plain mean
+        return sum(values) / len(values)
+    return sum(v * w for v, w in zip(values, weights)) / total
+
+
+def reduce_metrics(d: Dist, metrics: dict[str, float], weights: dict[str, float] | None = None,
+                   summed: Collection[str] = ()) -> dict[str, float]:
+    """Combine every rank's metrics into what one process on the union batch logs (see `combine`);
+    `weights[key]` is the number of items this rank's `key` is a mean over (1 for a key without
+    one); `summed` names more counters (a reward's `counted_metrics`). A key that only some ranks
+    logged (a warning's counter) is combined over those."""
     if not d.active:
         return metrics
-    every: list[dict[str, float]] = [{} for _ in range(d.world)]
-    dist.all_gather_object(every, {k: float(v) for k, v in metrics.items()})
+    weights = weights or {}
+    mine = {k: (float(v), float(weights.get(k, 1.0))) for k, v in metrics.items()}
+    every: list[dict[str, tuple[float, float]]] = [{} for _ in range(d.world)]
+    dist.all_gather_object(every, mine)
     out: dict[str, float] = {}
     for key in sorted({k for m in every for k in m}):
-        vals = [m[key] for m in every if key in m]
-        if key.endswith("_max"):
-            out[key] = max(vals)
-        elif key.endswith("_min"):
-            out[key] = min(vals)
-        elif key in SUMMED_METRICS:
-            out[key] = sum(vals)
-        else:
-            out[key] = sum(vals) / len(vals)
+        pairs = [m[key] for m in every if key in m]
+        out[key] = combine(key, [v for v, _ in pairs], [w for _, w in pairs], d.world, key in summed)
     return out
 
 

@@ -198,3 +198,28 @@ def build_tiny_qwen_vl(tokenizer: PreTrainedTokenizerFast, arch: str = "qwen2_5_
 
 def build_tiny_qwen2_5_vl(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **overrides):
     return build_tiny_qwen_vl(tokenizer, "qwen2_5_vl", seed, **overrides)
+
+
+def save_clip(out, corpus: Iterable[str], real: bool = False) -> None:
+    """A CLIP for the `clip_score` reward, saved with the processor the reward loads offline
+    (`CLIPModel` / `CLIPProcessor.from_pretrained(path, local_files_only=True)`), seeded: ViT-L/14's
+    widths (vision 1024, text 768, projection 768, 14 px patches of 224 px images) with one layer per
+    tower when `real` (the memory bench's depth cut), else a tiny one. Its tokenizer is one trained
+    on `corpus` (no hub access)."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    tok = build_tokenizer(corpus, vocab_size=300)
+    text = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12) if real else \
+        dict(hidden_size=16, intermediate_size=32, num_attention_heads=2)
+    vision = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, image_size=224, patch_size=14) \
+        if real else dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, image_size=32, patch_size=8)
+    cfg = CLIPConfig(text_config={"vocab_size": len(tok), "num_hidden_layers": 1, "max_position_embeddings": 77,
+                                  "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, **text},
+                     vision_config={"num_hidden_layers": 1, **vision}, projection_dim=768 if real else 8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        CLIPModel(cfg).save_pretrained(out)
+    side = vision["image_size"]
+    images = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(out)

@@ -8,6 +8,7 @@ and `model`, and a task only through `next_batch`, `eval_batch`, `sft_batch` and
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import signal
@@ -29,7 +30,7 @@ from mmrl.config import RunConfig
 from mmrl.distributed import Dist
 from mmrl.logger import MetricsLogger, SilentLogger, say
 from mmrl.prompt_replay import PromptReplay
-from mmrl.rewards import Reward, build_reward
+from mmrl.rewards import Reward, RewardFailure, build_reward
 from mmrl.rollout import Rollout, token_budget_batches
 
 
@@ -71,6 +72,15 @@ class TrainingInterrupted(Exception):
         self.signal_name, self.where, self.checkpoint = signal_name, where, checkpoint
 
 
+class TrainingFailed(Exception):
+    """A fault training cannot go on through (a reward's judge that is down) ended it `where`, after
+    saving `checkpoint` (resuming from it re-runs the step the fault stopped)."""
+
+    def __init__(self, reason: str, where: str, checkpoint: Path):
+        super().__init__(f"{reason}; stopped {where}; checkpoint saved to {checkpoint}")
+        self.reason, self.where, self.checkpoint = reason, where, checkpoint
+
+
 class StopRequest:
     """While entered (main thread only), SIGINT and SIGTERM ask the training loop to stop at its next
     step boundary, where it saves a checkpoint; a second SIGINT stops at once, without one."""
@@ -99,7 +109,8 @@ class StopRequest:
         self._previous.clear()
 
 
-# Loss terms normalised by the whole optimizer step: summed over its micro-batches, averaged over steps.
+# Loss terms normalised by the whole optimizer step: summed over its micro-batches, averaged over steps
+# (and over ranks as distributed.STEP_NORMALISED says).
 SUMMED_TERMS = ("entropy", "kl_ref", "perception_kl", "entropy_masked")
 # Rank r's sampling generators are seeded seed + r * RANK_SEED_STRIDE (rank 0: the single-process seeds).
 RANK_SEED_STRIDE = 1_000_003
@@ -142,6 +153,10 @@ class Trainer:
         self.stop = StopRequest()
         self.eval_history: list[dict[str, Any]] = []
         self.failed_contexts: list[Any] = []  # see collect
+        # How many items each rank's value of a metric is a mean over (see distributed.reduce_metrics).
+        self.metric_weights: dict[str, float] = {}
+        self.summed_metrics: set[str] = set()  # rewards' per-call counts: summed over ranks
+        self.reward_fault: RewardFailure | None = None  # under torchrun, raised on every rank at once (raise_faults)
         self.replay = PromptReplay(cfg.algo.prompt_replay_size) if cfg.algo.prompt_replay > 0 else None
         if log is None:  # rank 0 logs for the run
             log = (MetricsLogger(self.out_dir, tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
@@ -229,6 +244,24 @@ class Trainer:
         self.log.truncate_after(self.step)
         return Path(path)
 
+    def step_start(self) -> dict[str, Any]:
+        """What collecting a batch moves (data cursor, group ids, sampling streams, replay buffer,
+        reward draws), to put back when a fault ends the step: its checkpoint then resumes the step."""
+        return {"group_offset": self.group_offset,
+                "rng": rng_state({"sample": self.sample_gen, "shuffle": self.shuffle_gen}),
+                "task": copy.deepcopy(self.task.state_dict()),
+                "replay": self.replay.state_dict() if self.replay is not None else None,  # a copy of the list
+                "rewards": [copy.deepcopy(reward.state_dict()) for _, _, reward in self.rewards]}
+
+    def restore_step_start(self, state: dict[str, Any]) -> None:
+        self.group_offset = state["group_offset"]
+        set_rng_state(state["rng"], {"sample": self.sample_gen, "shuffle": self.shuffle_gen})
+        self.task.load_state_dict(state["task"])
+        if self.replay is not None:
+            self.replay.load_state_dict(state["replay"])
+        for (_, _, reward), reward_state in zip(self.rewards, state["rewards"]):
+            reward.load_state_dict(reward_state)
+
     def stop_requested(self) -> bool:
         """A SIGINT / SIGTERM asks for a stop; under torchrun, on any rank (all stop at the same step)."""
         asked = self.stop.signal_name is not None
@@ -314,11 +347,28 @@ class Trainer:
             outputs = self.policy.decode(rollout)
         total = torch.zeros(len(rollout), device=self.device)
         for name, weight, reward in rewards or self.rewards:
-            r = reward(rollout.contexts, outputs).to(self.device, torch.float32)
+            try:
+                r = reward(rollout.contexts, outputs).to(self.device, torch.float32)
+            except RewardFailure as fault:
+                if not self.dist.active:
+                    raise
+                # Under torchrun the other ranks are headed for collectives: go on with zeros and
+                # raise on every rank together (raise_faults).
+                self.reward_fault = self.reward_fault or fault
+                r = torch.zeros(len(rollout), device=self.device)
             rollout.rewards[name] = r
             total = total + weight * r
         rollout.rewards["total"] = total
         return total
+
+    def raise_faults(self) -> None:
+        """Raise the reward fault any rank met (the first rank's), on every rank; called where all ranks meet."""
+        if not self.dist.active:
+            return
+        message = distributed.first_message(self.dist, None if self.reward_fault is None else str(self.reward_fault))
+        self.reward_fault = None
+        if message is not None:
+            raise RewardFailure(message)
 
     def _keep_groups(self, rollout: Rollout, informative: torch.Tensor | None) -> torch.Tensor:
         """`informative`: `nonconstant_groups` of the rollout, computed when dynamic sampling is on."""
@@ -364,12 +414,14 @@ class Trainer:
             t0 = time.perf_counter()
             self.score(rollout)
             stats["time/reward"] += time.perf_counter() - t0
-            if tries == 0:  # the raw batch's rewards are what the policy currently earns
-                for k, v in rollout.rewards.items():
-                    stats[f"reward/{k}"] = v.mean().item()
+            if tries == 0:  # the raw batch's rewards (every rank's rows) are what the policy currently earns
+                names = list(rollout.rewards)
+                whole, _ = distributed.gather_rows(self.dist, [rollout.rewards[k] for k in names])
+                stats.update(reward_stats(dict(zip(names, whole))))
                 for name, _, reward in self.rewards:
                     stats.update({f"reward/{name}/{k}": v for k, v in reward.metrics().items()})
-                stats["reward/std"] = rollout.rewards["total"].std().item() if len(rollout) > 1 else 0.0
+                    self.metric_weights.update({f"reward/{name}/{k}": w for k, w in reward.metric_weights().items()})
+                    self.summed_metrics.update(f"reward/{name}/{k}" for k in reward.counted_metrics())
             total, gids = rollout.rewards["total"], rollout.group_ids
             informative = (algos.nonconstant_groups(total, gids)
                            if cfg.algo.dynamic_sampling or self.replay is not None else None)
@@ -400,6 +452,7 @@ class Trainer:
                               kind="fewer groups than train.prompts_per_step kept after filtering")
             if kept_groups > P:  # trim to exactly P groups (the first ones, in sampling order)
                 batch = batch.select(torch.arange(P * G, device=self.device))
+        self.raise_faults()
         return batch, dict(stats)
 
     def draw_contexts(self, n_fresh: int, n_replayed: int, sampling: bool) -> tuple[list[Any], int] | None:
@@ -696,6 +749,7 @@ class Trainer:
             adv, correction_metrics = self.correct_mismatch(rollout, old_logp, mask, adv)
         budget, sizes = self.unit_budget(rollout), self.row_sizes(rollout)
         sums: dict[str, float] = defaultdict(float)
+        row_means: set[str] = set()  # metrics that are means over this rank's rows
         n_updates = 0
         self.policy.model.train()
         for _ in range(t.ppo_epochs):
@@ -729,6 +783,7 @@ class Trainer:
                             sums[k] = min(sums.get(k, v), v)
                         else:  # row-weighted mean (padding rows weigh nothing)
                             sums[k] += v * int((micro < n_real).sum()) / (max(1, n_real) * t.ppo_epochs)
+                            row_means.add(k)
                 if a.sft_coef > 0:
                     sums["sft_loss"] += self.sft_mix_backward()
                 sums["grad_norm"] += self._optimizer_step()
@@ -737,19 +792,19 @@ class Trainer:
                for k, v in sums.items()}
         out["train/lr"] = self.scheduler.get_last_lr()[0]
         out.update(correction_metrics)
-        if n_real == 0:  # this rank kept no rows (others did): it only took part in the steps
-            return out
+        row_weighted = [*(f"train/{k}" for k in row_means), *correction_metrics]
+        self.metric_weights.update(dict.fromkeys(row_weighted, float(n_real)))
         if n_real < N:  # drop the padding rows
             rollout, adv = rollout.select(torch.arange(n_real, device=self.device)), adv[:n_real]
-        out.update({
-            "adv/mean": adv.mean().item(), "adv/std": adv.std().item() if n_real > 1 else 0.0,
-            "adv/min": adv.min().item(), "adv/max": adv.max().item(),
-            "len/mean": rollout.lengths.float().mean().item(), "len/max": rollout.lengths.max().item(),
-            "len/truncated_frac": rollout.truncated.float().mean().item(),
-        })
+        # Statistics of the whole batch: every rank's rows (a rank that kept none takes part too).
+        # Advantages of [N, T] travel right-padded with zeros to the longest T, as Rollout.concat pads.
+        (adv, lengths, truncated), _ = distributed.gather_rows(self.dist, [adv, rollout.lengths, rollout.truncated])
+        if len(adv):
+            out.update(batch_stats(adv, lengths, truncated))
         return out
 
     def train_step(self) -> dict[str, float]:
+        self.metric_weights = {}
         rollout, stats = self.collect()
         n_rows = len(rollout)
         if self.dist.active:  # skip or update together
@@ -778,8 +833,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy decoding on the task's fixed held-out set; a task may add its own metrics."""
-        # Every rank evaluates the same held-out set (rank 0's result is logged).
+        """Greedy decoding on the task's fixed held-out set; a task may add its own metrics. Under
+        torchrun the ranks split the held-out set for the rewards' evaluation and join the scores,
+        so every rank gets one process's result; a task's own `evaluate(policy, n)` (simulators,
+        judges of sampled captions) takes no split and still runs whole on every rank."""
         with self.whole_model():
             result = self._evaluate_rewards()
             with self.autocast:
@@ -790,25 +847,48 @@ class Trainer:
     def _evaluate_rewards(self) -> dict[str, float]:
         """Mean rewards on the held-out set: greedy (`eval/<reward>`), and with
         `train.eval_samples` > 0 also over k samples at the training temperature
-        (`eval/sampled_<reward>`), the reward the policy actually earns."""
+        (`eval/sampled_<reward>`), the reward the policy actually earns. Each rank scores its block
+        of the held-out set (greedy scores equal one process's; the k samples come from each
+        rank's own stream, so they are a sample of the same distribution, not the same draw)."""
         contexts = self.task.eval_batch(self.cfg.train.eval_size)
+        mine = contexts[distributed.rank_block(len(contexts), self.dist)]
         gen = torch.Generator(device=self.device).manual_seed(12345)
         # Rewards built afresh: every evaluation draws the same (e.g. questions), and training's
         # rewards keep their state, so evaluating never changes what training sees.
         rewards = self.build_rewards()
-        rollout = self.sample(contexts, 1, gen, temperature=0.0)
-        outputs = self.policy.decode(rollout)
-        self.score(rollout, rewards, outputs)
-        result = {f"eval/{k}": v.mean().item() for k, v in rollout.rewards.items()}
+        names = [name for name, _, _ in rewards] + ["total"]
+        rollout, outputs = None, []
+        if mine:
+            rollout = self.sample(mine, 1, gen, temperature=0.0)
+            outputs = self.policy.decode(rollout)
+            self.score(rollout, rewards, outputs)
+        scores, lengths = self._gather_scores(rollout, names)
+        result = {f"eval/{k}": v.mean().item() for k, v in scores.items()}
+        outputs = distributed.gather_objects(self.dist, outputs)
         result.update({f"eval/{k}": v for k, v in self.task.evaluate_outputs(contexts, outputs).items()})
-        result["eval/len_mean"] = rollout.lengths.float().mean().item()
+        result["eval/len_mean"] = lengths.float().mean().item()
         k = self.cfg.train.eval_samples
         if k > 0:
-            sampled = self.sample(contexts, k, gen)
-            self.score(sampled, rewards)
-            result.update({f"eval/sampled_{name}": v.mean().item() for name, v in sampled.rewards.items()})
+            sampled = None
+            if mine:
+                sampled = self.sample(mine, k, gen)
+                self.score(sampled, rewards)
+            scores, _ = self._gather_scores(sampled, names)
+            result.update({f"eval/sampled_{name}": v.mean().item() for name, v in scores.items()})
+        self.raise_faults()
         result["step"] = self.step
         return result
+
+    def _gather_scores(self, rollout: Rollout | None, names: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Each reward `names`'s scores and the lengths of every rank's evaluation rows, in held-out
+        order (`rollout` None: this rank's block is empty)."""
+        if rollout is None:
+            local = [torch.zeros(0, device=self.device) for _ in names]
+            local.append(torch.zeros(0, dtype=torch.long, device=self.device))
+        else:
+            local = [rollout.rewards[name] for name in names] + [rollout.lengths]
+        whole, _ = distributed.gather_rows(self.dist, local)
+        return dict(zip(names, whole[:-1])), whole[-1]
 
     # ------------------------------------------------------------------ the loop
 
@@ -816,7 +896,8 @@ class Trainer:
         """Run SFT (if configured) and RL to `train.steps`. With `resume`, continue this run's newest
         whole checkpoint, after checking that the folder holds a run of the same config; without it,
         discard whatever run the folder holds. SIGINT / SIGTERM end it with `TrainingInterrupted`
-        after saving a checkpoint at the next step boundary."""
+        after saving a checkpoint at the next step boundary; a reward's judge that is down
+        (`RewardFailure`) ends it with `TrainingFailed` after saving one at the start of that step."""
         t = self.cfg.train
         if t.threads > 0:
             torch.set_num_threads(t.threads)
@@ -836,7 +917,10 @@ class Trainer:
             self.log.reset()
             self.announce()
         with self.stop:
-            return self._train_loop()
+            try:
+                return self._train_loop()
+            except RewardFailure as fault:  # e.g. a judge that is down: stop with a checkpoint, not train on zeros
+                raise TrainingFailed(str(fault), f"at step {self.step} of {t.steps}", self.save()) from None
 
     def announce(self) -> None:
         """Say, when a run starts, what it learns from: the data, and whether SFT or RL comes first
@@ -864,7 +948,13 @@ class Trainer:
             self.log.log(self.eval_history[-1], step=0)
         bar = _progress(range(self.step, t.steps), "grpo", t.progress, total=t.steps, initial=self.step)
         for _ in bar:
-            metrics = distributed.reduce_metrics(self.dist, self.train_step())
+            start = self.step_start()
+            try:
+                stats = self.train_step()
+            except RewardFailure:  # raised while collecting, before the update: the step did not happen
+                self.restore_step_start(start)
+                raise
+            metrics = distributed.reduce_metrics(self.dist, stats, self.metric_weights, self.summed_metrics)
             self.step += 1
             if self.step % t.log_every == 0:
                 self.log.log(metrics, step=self.step)
@@ -911,6 +1001,24 @@ class Trainer:
             for note in health.get("notes", []):
                 say(f"note: {note}")
         return results
+
+
+def reward_stats(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The mean of each reward component over a batch, and the spread of their weighted total."""
+    out = {f"reward/{k}": v.mean().item() for k, v in rewards.items()}
+    total = rewards["total"]
+    out["reward/std"] = total.std().item() if len(total) > 1 else 0.0
+    return out
+
+
+def batch_stats(adv: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """Advantage and length statistics of a batch (of at least one row)."""
+    return {
+        "adv/mean": adv.mean().item(), "adv/std": adv.std().item() if len(adv) > 1 else 0.0,
+        "adv/min": adv.min().item(), "adv/max": adv.max().item(),
+        "len/mean": lengths.float().mean().item(), "len/max": lengths.max().item(),
+        "len/truncated_frac": truncated.float().mean().item(),
+    }
 
 
 def split_largest(batches: list[torch.Tensor], count: int) -> list[torch.Tensor]:

@@ -96,22 +96,10 @@ def local_inputs(tmp_path_factory):
 
     def tiny_clip() -> str:
         if "clip" not in made:
-            from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+            from mmrl.tiny import save_clip
 
-            from mmrl.tiny import build_tokenizer
-
-            tok = build_tokenizer([ln for ln in (Path(__file__).parent.parent / "configs/prompts/video_prompts.txt")
-                                   .read_text().splitlines() if not ln.startswith("#")], vocab_size=300)
-            cfg = CLIPConfig(text_config={"vocab_size": len(tok), "hidden_size": 16, "intermediate_size": 32,
-                                          "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64,
-                                          "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id},
-                             vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                                            "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
-                             projection_dim=8)
-            CLIPModel(cfg).save_pretrained(root / "clip")
-            CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
-                                                             crop_size={"height": 32, "width": 32}),
-                          tokenizer=tok).save_pretrained(root / "clip")
+            save_clip(root / "clip", [ln for ln in (Path(__file__).parent.parent / "configs/prompts/video_prompts.txt")
+                                      .read_text().splitlines() if not ln.startswith("#")])
             made["clip"] = str(root / "clip")
         return made["clip"]
 
@@ -134,6 +122,8 @@ def local_inputs(tmp_path_factory):
                     "task.params.max_pixels=12544"]
         return out
 
+    # The builders themselves, for tests that need a local input without a config (`local_inputs.tiny_qwen_vl()`).
+    overrides.tiny_qwen_vl, overrides.geometry3k_folder = tiny_qwen_vl, geometry3k_folder
     return overrides
 
 

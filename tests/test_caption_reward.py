@@ -79,15 +79,18 @@ def test_reward_on_synthetic_scenes_true_empty_and_wrong_captions():
     assert 0.2 < partial < 0.95
 
 
+class Recorder:
+    """A judge that answers "A" and keeps what it was asked."""
+
+    def __init__(self):
+        self.items = []
+
+    def judge(self, items):
+        self.items += items
+        return [JudgeReply("A", "A") for _ in items]
+
+
 def test_questions_are_sampled_per_caption_and_shared_by_a_group():
-    class Recorder:
-        def __init__(self):
-            self.items = []
-
-        def judge(self, items):
-            self.items += items
-            return [JudgeReply("A", "A") for _ in items]
-
     rec = Recorder()
     qa = [{"question": f"q{i}", "choices": ["x", "y"], "answer": "x"} for i in range(10)]
     a, b = {"qa": qa}, {"qa": qa[:2]}
@@ -147,12 +150,12 @@ def test_malformed_judge_replies_score_zero_with_a_logged_reason(caplog):
                     JudgeReply(None, "", "timeout after 3 attempts") for i, _ in enumerate(items)]
 
     ctx = make_task("caption", seed=0, n_test=4).eval_batch(4)
-    reward = build_reward("caption_qa", {"judge": Broken()})
+    reward = build_reward("caption_qa", {"judge": Broken(), "max_judge_failures": 1.0})  # never a fault
     with caplog.at_level(logging.WARNING, logger="mmrl.rewards.captioning.qa"):
         r = reward(ctx, [c["target"] for c in ctx])
     assert torch.equal(r, torch.zeros(4))
-    assert "no valid letter and scored 0" in caplog.text and "timeout" in caplog.text and "malformed" in caplog.text
-    assert reward.metrics() == {"judged": 16.0, "judge_failed": 16.0}
+    assert "count as failed (scored 0)" in caplog.text and "timeout" in caplog.text and "malformed" in caplog.text
+    assert reward.metrics() == {"judged": 16.0, "judge_failed": 16.0, "judge_failed_share": 1.0}
     with pytest.raises(KeyError, match="context 0 has no 'qa'"):
         caption_qa([{"image": None}], ["x"])
 
@@ -165,3 +168,35 @@ def test_make_judge_errors_name_the_choices():
     with pytest.raises(ValueError, match="unknown mode 'beam'; valid: chat, completions"):
         make_judge({"name": "http", "base_url": "http://127.0.0.1:9", "mode": "beam"})
     assert isinstance(JudgeItem("c", "q", ["a"]).options, list)
+
+
+def test_caption_draws_do_not_depend_on_how_the_captions_are_split():
+    """8 captions (2 images x 4) in one call: the same questions, option orders and rewards as two
+    calls of 4 with the same draw counter, which is what 2 ranks do."""
+    ctx = make_task("caption", seed=0, n_test=2).eval_batch(2)
+    contexts = [c for c in ctx for _ in range(4)]
+    captions = [", ".join(c["target"].split(", ")[: 1 + i % 3]) for i, c in enumerate(contexts)]
+
+    def call(lo, hi, draw=5, judge=None):
+        rec = judge or Recorder()
+        reward = caption_qa(contexts[lo:hi], captions[lo:hi], judge=rec, questions_per_caption=2, draw=draw)
+        return reward, [(it.caption, it.question, tuple(it.options)) for it in rec.items]
+
+    whole, asked = call(0, 8)
+    first, asked0 = call(0, 4)
+    second, asked1 = call(4, 8)
+    assert torch.equal(whole, torch.cat([first, second])) and asked == asked0 + asked1
+    # The captions of one image share its questions but not their option orders (their index).
+    per_caption = [asked[2 * i: 2 * i + 2] for i in range(8)]
+    assert len({tuple(q for _, q, _ in p) for p in per_caption[:4]}) == 1
+    assert len({tuple(o for _, _, o in p) for p in per_caption[:4]}) > 1
+    # Copies of a context (as after pickling between processes) are the same item.
+    copies = [dict(c) for c in contexts]
+    rec = Recorder()
+    caption_qa(copies, captions, judge=rec, questions_per_caption=2, draw=5)
+    assert [(it.caption, it.question, tuple(it.options)) for it in rec.items] == asked
+    # Another draw asks otherwise; the lexical judge scores the same split alike too.
+    assert call(0, 8, draw=6)[1] != asked
+    lexical = caption_qa(contexts, captions, questions_per_caption=2, draw=5)
+    assert torch.equal(lexical, torch.cat([caption_qa(contexts[:4], captions[:4], questions_per_caption=2, draw=5),
+                                           caption_qa(contexts[4:], captions[4:], questions_per_caption=2, draw=5)]))

@@ -303,7 +303,9 @@ def test_mathverse(tmp_path):
     recs = load_benchmark("mathverse", f)
     assert [(r["id"], r["category"], r["answer"]) for r in recs] == [
         ("1", "Text Dominant", "D"), ("5", "Vision Only", "D"), ("6", "Text Lite", "2\\sqrt{3}")]
-    assert recs[0]["problem"] == "<image>" + q_mc and recs[0]["options"] == ["40°", "60°", "120°", "140°"]
+    # the option lines are written "A. 40°", as the VQA task recognises listed options (not shown twice)
+    assert recs[0]["problem"] == "<image>" + q_mc.replace("A:", "A. ").replace("B:", "B. ").replace(
+        "C:", "C. ").replace("D:", "D. ") and recs[0]["options"] == ["40°", "60°", "120°", "140°"]
     assert recs[1]["options"] is None and recs[2]["options"] is None
     for r, c in zip(recs, (RED, GREEN, BLUE)):
         same_image(r["images"][0], c)

@@ -124,6 +124,15 @@ def test_train_then_eval_writes_the_report_and_the_page(tmp_path, capsys):
     assert page.count('class="card"') == 4 and page.count("data:image/png;base64,") == 4
     assert (run / "eval" / "accuracy_by_step.png").stat().st_size > 1000
     assert "| accuracy (greedy) |" in (run / "eval" / "vqa_eval.md").read_text()
+    # The run folder (rebuilt from its config.yaml) and its final/ export, evaluated on a benchmark
+    # without a config, give the same replies.
+    replies = []
+    for model in (run, run / "final"):
+        out = tmp_path / f"bench_{model.name}"
+        assert main(["eval", "--benchmark", "synthetic", "--model", str(model), "--limit", "3", "--max-new-tokens",
+                     "8", "--dtype", "float32", "--device", "cpu", "--output", str(out)]) == 0
+        replies.append([json.loads(line)["reply"] for line in (out / "replies.jsonl").read_text().splitlines()])
+    assert replies[0] == replies[1] and len(replies[0]) == 3
 
 
 @pytest.mark.parametrize("rows, fragment", [

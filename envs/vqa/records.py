@@ -107,27 +107,51 @@ def folder_splits(folder: Path) -> dict[str, list[Path]]:
 
 
 def load_table(file: Path, field: str | None = None):
-    """One data file as a `datasets.Dataset`. A JSON object is unwrapped: ``{"data": [...]}`` by
-    reading its "data" field, an object of objects (keyed by id) as one row per value, with the key
-    as "id" where the value has none."""
+    """One data file as a `datasets.Dataset`. A JSON object is unwrapped: its `field` (a list of
+    rows), ``{"data": [...]}`` by reading its "data" field, an object of objects (keyed by id, as
+    MathVista's testmini.json) as one row per value, with the key as "id" where the value has none."""
     import datasets
 
     kind = DATA_FORMATS[file.suffix]
+    if file.suffix == ".json" and _is_json_object(file):
+        return _json_object_table(file, field)
     bars = datasets.utils.logging.is_progress_bar_enabled()
     datasets.utils.logging.disable_progress_bar()  # a local file reads in a blink: no "Generating split" bars
     try:
-        ds = datasets.load_dataset(kind, data_files=str(file), split="train", **({"field": field} if field else {}))
+        return datasets.load_dataset(kind, data_files=str(file), split="train", **({"field": field} if field else {}))
     except Exception as e:  # pyarrow / json errors: say which file, keep the cause
         raise ValueError(f"{file}: cannot read as {kind} ({type(e).__name__}: {e})") from e
     finally:
         if bars:
             datasets.utils.logging.enable_progress_bar()
-    if field is None and file.suffix == ".json" and ds.num_rows == 1 and _is_json_object(file):
-        if ds.column_names == ["data"] and isinstance(ds[0]["data"], list):
-            return load_table(file, field="data")
-        if all(isinstance(f, dict) for f in ds.features.values()):  # {"<id>": {...}, ...}
-            return datasets.Dataset.from_list([{"id": k, **v} for k, v in ds[0].items()])
-    return ds
+
+
+def _json_object_table(file: Path, field: str | None):
+    """A JSON file holding one object, parsed with the json module: `datasets`' JSON reader gives up
+    on one large object keyed by id (MathVista's 870 KB testmini.json fails past ~370 problems)."""
+    import datasets
+
+    try:
+        data = json.loads(file.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: cannot read as json ({type(e).__name__}: {e})") from e
+    if field is not None:
+        if not isinstance(data.get(field), list):
+            raise ValueError(f"{file}: no list under the JSON field {field!r} (fields: {sorted(data)[:10]})")
+        rows = data[field]
+    elif isinstance(data.get("data"), list):
+        rows = data["data"]
+    elif data and all(isinstance(v, dict) for v in data.values()):
+        rows = [{"id": k, **v} for k, v in data.items()]
+    else:
+        rows = [data]  # one record
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{file}: the JSON rows are not all objects; accepted: a list of objects, "
+                         f"{{\"data\": [...]}}, or an object of objects keyed by id")
+    try:
+        return datasets.Dataset.from_list(rows)
+    except Exception as e:  # pyarrow type clashes between rows: say which file, keep the cause
+        raise ValueError(f"{file}: rows do not form one table ({type(e).__name__}: {e})") from e
 
 
 def _is_json_object(file: Path) -> bool:

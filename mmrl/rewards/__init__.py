@@ -19,6 +19,11 @@ from mmrl.config import check_params
 RewardFn = Callable[..., torch.Tensor]
 
 
+class RewardFailure(RuntimeError):
+    """A reward cannot score this call at all (its judge is down or broken): training on its zeros
+    would teach nothing, so the trainer stops the step with a checkpoint and says why."""
+
+
 class Reward:
     """A reward adapter with state the trainer checkpoints and metrics it logs."""
 
@@ -33,6 +38,14 @@ class Reward:
 
     def metrics(self) -> dict[str, float]:
         """Numbers about the last call (logged as reward/<name>/<key>)."""
+        return {}
+
+    def counted_metrics(self) -> tuple[str, ...]:
+        """The keys of `metrics` that count the call's items (summed over ranks; the rest are means)."""
+        return ()
+
+    def metric_weights(self) -> dict[str, float]:
+        """How many items each mean in `metrics` is over (ranks' means are weighted by it; default 1)."""
         return {}
 
 

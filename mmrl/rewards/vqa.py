@@ -218,17 +218,90 @@ def plain_number(s: str) -> tuple[Fraction, bool] | None:
     return Fraction(int(num), int(den)) * (-1 if m.group(1) == "-" else 1), False
 
 
+# Units a quantity may end with: spelling -> canonical name. Lengths also come squared / cubed
+# ("cm^2", "cm²", "square cm", "cubic cm"). Matched case-insensitively, after \\text{} unwrapping.
+_LENGTHS = {"mm": ("mm", "millimeter", "millimeters", "millimetre", "millimetres"),
+            "cm": ("cm", "centimeter", "centimeters", "centimetre", "centimetres"),
+            "m": ("m", "meter", "meters", "metre", "metres"),
+            "km": ("km", "kilometer", "kilometers", "kilometre", "kilometres"),
+            "in": ("in", "inch", "inches"), "ft": ("ft", "foot", "feet"), "yd": ("yd", "yard", "yards"),
+            "mi": ("mi", "mile", "miles"), "unit": ("unit", "units")}
+_OTHER_UNITS = {"°": ("°", "^\\circ", "^{\\circ}", "\\circ", "degree", "degrees", "deg"),
+                "%": ("%", "\\%", "percent"), "rad": ("rad", "radian", "radians"),
+                "g": ("g", "gram", "grams"), "kg": ("kg", "kilogram", "kilograms"),
+                "lb": ("lb", "lbs", "pound", "pounds"), "s": ("s", "sec", "second", "seconds"),
+                "min": ("min", "minute", "minutes"), "h": ("h", "hr", "hour", "hours"), "day": ("day", "days"),
+                "year": ("year", "years"), "dollar": ("dollar", "dollars"), "cent": ("cent", "cents")}
+
+
+def _unit_spellings() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for canon, names in _OTHER_UNITS.items():
+        out.update({n.lower(): canon for n in names})
+    for canon, names in _LENGTHS.items():
+        for n in names:
+            out[n] = canon
+            for power, marks in ((2, ("^2", "^{2}", "²")), (3, ("^3", "^{3}", "³"))):
+                out.update({f"{n}{m}": f"{canon}^{power}" for m in marks})
+            out[f"square {n}"] = out[f"sq {n}"] = f"{canon}^2"
+            out[f"cubic {n}"] = f"{canon}^3"
+    return out
+
+
+UNITS = _unit_spellings()
+# The unit must not continue a word ("5 x cm" keeps "x"): an alphabetic unit follows no letter or backslash.
+_UNIT_AT_END = re.compile(
+    r"^(?P<value>.*?)\s*(?<![A-Za-z\\])(?P<unit>"
+    + "|".join(re.escape(u) for u in sorted(UNITS, key=len, reverse=True)) + r")\s*\.?$", re.IGNORECASE)
+_SPACING = re.compile(r"\\[,;:! ]|~")
+_LABEL = re.compile(r"^\s*[A-Za-z][A-Za-z ]*[A-Za-z]\s*=\s*")  # "Area = 113.1 cm^2": the name of the quantity
+_MATH_READS_UNIT = {"°", "%"}  # math-verify reads these itself ("25%" == "0.25")
+
+
+def split_unit(s: str) -> tuple[str, str] | None:
+    """(quantity, canonical unit) for a quantity followed by a unit ("12 cm" -> ("12", "cm"),
+    "3 \\text{cm}^2" -> ("3", "cm^2"), "60 degrees" -> ("60", "°"), "Area = 9 \\pi cm^2" -> ("9 \\pi",
+    "cm^2"): a leading name of two letters or more and "=" is dropped); None when `s` does not end with a
+    known unit after a number (`UNITS`). A one-letter unit (m, g, s, h) counts only after a plain
+    number and a space ("12 m"), so algebra such as "3m" or "2x m" stays whole."""
+    text = _SPACING.sub(" ", _TEXT_CMD.sub(r"\1", str(s))).replace("$", "").strip()
+    text = re.sub(r"\s+(?=\^)", "", text)  # "\\text { units }^2" -> "units^2"
+    m = _UNIT_AT_END.match(text)
+    if m is None:
+        return None
+    value, unit = _LABEL.sub("", m.group("value")).strip(), UNITS[re.sub(r"\s+", " ", m.group("unit").lower())]
+    if not value or is_textual(value) or not re.search(r"\d|\\pi|\\sqrt", value):
+        return None
+    if len(m.group("unit")) == 1 and m.group("unit").isalpha():  # "12 m" is metres, "3m" may be 3 times m
+        spaced = text[: m.start("unit")].endswith((" ", "\t"))
+        if not spaced or plain_number(value) is None:
+            return None
+    return value, unit
+
+
 def compare_open(pred: str, gold: str, judge: MathJudge) -> str:
     """'correct', 'wrong' or 'unparseable' for an open answer.
 
-    Equal normalised strings are correct. A textual gold (words) is compared only that way. Math
-    golds go through math-verify ("0.5" == "1/2" == "\\frac{1}{2}", "{1,2}" == "{2,1}", intervals,
-    LaTeX); plain numbers on both sides compare directly (`plain_number`); when math-verify cannot
-    parse a side the string comparison stands, and a reply it cannot parse (or words without a
-    number, or over MAX_MATH_CHARS) is 'unparseable'.
+    Equal normalised strings are correct. A gold quantity with a unit ("12 cm", "90 degrees", "3
+    square units"; `split_unit`) compares by its quantity: a reply with the same quantity, bare or
+    with the same unit, is correct, one with another unit or another quantity wrong (no unit
+    conversion). A textual gold (words) is otherwise compared only as a string. Math golds go
+    through math-verify ("0.5" == "1/2" == "\\frac{1}{2}", "{1,2}" == "{2,1}", intervals, LaTeX);
+    plain numbers on both sides compare directly (`plain_number`); when math-verify cannot parse a
+    side the string comparison stands, and a reply it cannot parse (or words without a number, or
+    over MAX_MATH_CHARS) is 'unparseable'.
     """
     if normalize_text(pred) == normalize_text(gold) and normalize_text(gold):
         return "correct"
+    gold_unit = split_unit(gold)
+    if gold_unit is not None:
+        pred_unit = split_unit(pred)
+        if pred_unit is not None and pred_unit[1] != gold_unit[1]:
+            return "wrong"
+        verdict = compare_open(pred if pred_unit is None else pred_unit[0], gold_unit[0], judge)
+        # "°" and "%" golds also go to math-verify below, which reads them ("25%" == "0.25")
+        if verdict == "correct" or gold_unit[1] not in _MATH_READS_UNIT:
+            return verdict
     if is_textual(gold):
         return "wrong"
     gn, pn = plain_number(gold), plain_number(pred)
@@ -325,6 +398,9 @@ class _Counting(Reward):
 
     def metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.counts.items()}
+
+    def counted_metrics(self) -> tuple[str, ...]:
+        return tuple(self.counts)
 
 
 @register_reward("answer_accuracy")
@@ -469,6 +545,9 @@ class IoU(_Counting):
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), "mean_iou": sum(self.ious) / len(self.ious) if self.ious else 0.0}
 
+    def metric_weights(self) -> dict[str, float]:
+        return {"mean_iou": float(len(self.ious))}
+
 
 @register_reward("length")
 class Length(_Counting):
@@ -500,6 +579,9 @@ class Length(_Counting):
     def metrics(self) -> dict[str, float]:
         mean_chars = sum(self.lengths) / len(self.lengths) if self.lengths else 0.0
         return {**super().metrics(), "mean_chars": mean_chars}
+
+    def metric_weights(self) -> dict[str, float]:
+        return {"mean_chars": float(len(self.lengths))}
 
 
 # ---------------------------------------------------------------- R1-VL's StepGRPO rewards
@@ -616,6 +698,9 @@ class StepAccuracy(_Counting):
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), "mean_match": sum(self.ratios) / len(self.ratios) if self.ratios else 0.0}
+
+    def metric_weights(self) -> dict[str, float]:
+        return {"mean_match": float(len(self.ratios))}
 
 
 _R1VL_SECTIONS = ("### Image Description:", "### Rationales:", "### Step 1:", _HEADER)

@@ -2,7 +2,8 @@
 
 A judge takes `JudgeItem`s (caption, question, lettered options) and returns one `JudgeReply`
 each: the chosen letter, or None with the reason (malformed reply, timeout, HTTP error). Judges
-never raise on a bad reply; the reward turns a missing letter into zero and logs why.
+never raise on a bad reply; the reward turns a missing letter into zero, counts it as failed and
+raises `JudgeFailure` when too many of a call's replies failed (a judge that is down).
 
 Back-ends (`make_judge({"name": ..., **params})`):
 
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from mmrl.rewards import RewardFailure
 
 LETTERS = string.ascii_uppercase
 CANNOT_ANSWER = "Cannot answer from the caption"
@@ -74,6 +77,17 @@ class Judge(Protocol):
     def judge(self, items: list[JudgeItem]) -> list[JudgeReply]: ...
 
 
+class JudgeFailure(RewardFailure):
+    """Too many of one reward call's judge replies failed: the judge is down or broken, and training
+    on its all-zero rewards would teach nothing. The message names the judge and the main reason."""
+
+
+def judge_name(judge: Judge) -> str:
+    """What a message says the judge is: its back-end and where it runs (a custom judge: its class)."""
+    describe = getattr(judge, "describe", None)
+    return describe() if callable(describe) else type(judge).__name__
+
+
 # ----------------------------------------------------------------------------- lexical
 
 
@@ -84,6 +98,9 @@ class LexicalJudge:
     (`mmrl.envs.captioning.scenes.answer_query`) but over the caption's parsed objects; when those
     do not determine it (or the question is not templated), the judge picks the cannot-answer
     option, or, if there is none, the first option."""
+
+    def describe(self) -> str:
+        return "lexical"
 
     def judge(self, items: list[JudgeItem]) -> list[JudgeReply]:
         from mmrl.envs.captioning.scenes import (
@@ -124,6 +141,7 @@ class HFJudge:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"hf judge: {path} has no config.json (a saved model directory is needed)")
+        self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
         self.mode, self.temperature, self.max_new_tokens = mode, float(temperature), int(max_new_tokens)
@@ -139,6 +157,9 @@ class HFJudge:
         # Each letter's first token, bare and after a space (what follows "Answer:" in most tokenizers).
         self.letter_ids = [sorted({self.tokenizer.encode(v, add_special_tokens=False)[0] for v in (c, " " + c)})
                            for c in LETTERS]
+
+    def describe(self) -> str:
+        return f"hf {self.path} ({self.mode})"
 
     def _prompt(self, item: JudgeItem) -> str:
         text = format_prompt(item)
@@ -216,6 +237,9 @@ class HTTPJudge:
         self.client = httpx.Client(timeout=httpx.Timeout(timeout), headers=headers,
                                    limits=httpx.Limits(max_connections=concurrency))
 
+    def describe(self) -> str:
+        return f"http {self.url} (model {self.model})"
+
     def close(self) -> None:
         self.client.close()
 
@@ -246,53 +270,56 @@ class HTTPJudge:
                 raise RuntimeError(f"malformed reply (not JSON): {r.text[:60]!r}") from None
         raise RuntimeError(f"{reason} after {self.retries + 1} attempts")
 
-    def _chat(self, item: JudgeItem) -> list[JudgeReply]:
+    def _chat_texts(self, prompts: list[str]) -> list[tuple[str | None, str | None]]:
+        """One chat request for a one-prompt part: [(text, None)], or [(None, reason)]."""
         body = self._post({"model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens,
-                           "messages": [{"role": "user", "content": format_prompt(item)}]})
+                           "messages": [{"role": "user", "content": prompts[0]}]})
         try:
-            text = body["choices"][0]["message"]["content"]
+            return [(str(body["choices"][0]["message"]["content"]), None)]
         except (KeyError, IndexError, TypeError):
-            return [JudgeReply(None, str(body)[:200], f"malformed reply (no choices[0].message.content): "
-                                                      f"{str(body)[:60]!r}")]
-        return [reply_from_text(str(text), len(item.options))]
+            return [(None, f"malformed reply (no choices[0].message.content): {str(body)[:60]!r}")]
 
-    def _completions(self, part: list[JudgeItem]) -> list[JudgeReply]:
+    def _completion_texts(self, prompts: list[str]) -> list[tuple[str | None, str | None]]:
+        """One completions request for a batch of prompts."""
         body = self._post({"model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens,
-                           "prompt": [format_prompt(it) for it in part]})
+                           "prompt": prompts})
         texts: dict[int, str] = {}
         try:
             for j, c in enumerate(body["choices"]):
                 texts[int(c.get("index", j))] = str(c["text"])
         except (KeyError, TypeError, ValueError, AttributeError):
             texts = {}
-        return [reply_from_text(texts[j], len(it.options)) if j in texts else
-                JudgeReply(None, str(body)[:200], f"malformed reply (no choices[{j}].text)")
-                for j, it in enumerate(part)]
+        return [(texts[j], None) if j in texts else (None, f"malformed reply (no choices[{j}].text)")
+                for j in range(len(prompts))]
 
-    def judge(self, items: list[JudgeItem]) -> list[JudgeReply]:
-        if self.mode == "chat":
-            parts = [[it] for it in items]
-            call = lambda p: self._chat(p[0])
-        else:
-            parts = [items[lo:lo + self.batch_size] for lo in range(0, len(items), self.batch_size)]
-            call = self._completions
-        replies: list[list[JudgeReply] | None] = [None] * len(parts)
+    def complete(self, prompts: list[str]) -> list[tuple[str | None, str | None]]:
+        """The endpoint's text for each prompt as (text, None), or (None, the reason): a timeout, an
+        HTTP error, a malformed reply, or the call's deadline passing first. Never raises."""
+        size = 1 if self.mode == "chat" else self.batch_size
+        parts = [prompts[lo:lo + size] for lo in range(0, len(prompts), size)]
+        call = self._chat_texts if self.mode == "chat" else self._completion_texts
+        done: list[list[tuple[str | None, str | None]] | None] = [None] * len(parts)
         pool = cf.ThreadPoolExecutor(max_workers=self.concurrency)
         futures = {pool.submit(call, p): i for i, p in enumerate(parts)}
         try:
             for fut in cf.as_completed(futures, timeout=self.deadline):
                 i = futures[fut]
                 try:
-                    replies[i] = fut.result()
+                    done[i] = fut.result()
                 except RuntimeError as exc:
-                    replies[i] = [JudgeReply(None, "", str(exc)) for _ in parts[i]]
+                    done[i] = [(None, str(exc))] * len(parts[i])
         except cf.TimeoutError:
             pass  # the parts still missing get the deadline as their reason below
         finally:
             # Requests in flight end at their own timeout; nothing waits for them here.
             pool.shutdown(wait=False, cancel_futures=True)
-        return [r for i, p in enumerate(parts) for r in
-                (replies[i] or [JudgeReply(None, "", f"deadline of {self.deadline:g} s passed") for _ in p])]
+        late = (None, f"deadline of {self.deadline:g} s passed")
+        return [r for i, p in enumerate(parts) for r in (done[i] or [late] * len(p))]
+
+    def judge(self, items: list[JudgeItem]) -> list[JudgeReply]:
+        texts = self.complete([format_prompt(it) for it in items])
+        return [reply_from_text(text, len(it.options)) if text is not None else JudgeReply(None, "", why)
+                for it, (text, why) in zip(items, texts)]
 
 
 # ----------------------------------------------------------------------------- registry
