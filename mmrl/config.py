@@ -545,7 +545,7 @@ def validate(cfg: RunConfig) -> None:
         loss_spec = get_loss_spec(cfg.algo.loss)
     except ValueError as exc:
         raise ConfigError(f"algo.loss: {exc}") from None
-    check_names(cfg.algo.loss_params, [p for p in loss_spec.accepted_params if p != "denominator"],
+    check_names(cfg.algo.loss_params, [p for p in loss_spec.accepted_params if p not in ("denominator", "weights")],
                  f"algo.loss_params (loss {cfg.algo.loss!r})")
     # The trainer's estimators take (rewards, group ids); GAE needs a value model the trainer does not train.
     estimators = [name for name, *_ in list_algorithms()["advantage"] if not get_advantage_spec(name).token_level]

@@ -628,8 +628,8 @@ class Trainer:
         return scores
 
     def micro_loss(self, part: Rollout, scores: dict[str, torch.Tensor], mask: torch.Tensor, old_logp: torch.Tensor,
-                   adv: torch.Tensor, ref_logp: torch.Tensor | None, denom: torch.Tensor
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
+                   adv: torch.Tensor, ref_logp: torch.Tensor | None, denom: torch.Tensor,
+                   weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss of one micro-batch from its per-unit scores [n, T], every term aggregated with
         the same mask, `agg` mode and `denom` (the whole optimizer step's), and its metrics."""
         a, budget = self.cfg.algo, self.unit_budget(part)
@@ -637,7 +637,7 @@ class Trainer:
         params = {**self.loss_params, "max_response_len": budget}
         pg_mask = algos.high_entropy_tokens(entropy.detach(), mask, a.entropy_top_frac)  # mask itself at 1.0
         loss, metrics = algos.policy_loss(a.loss, logp, old_logp, adv, pg_mask, denominator=denom, agg=self.agg,
-                                          **{k: v for k, v in params.items() if k != "agg"})
+                                          weights=weights, **{k: v for k, v in params.items() if k != "agg"})
         metrics = {k: float(v) for k, v in metrics.items()}
 
         def aggregate(per_unit: torch.Tensor) -> torch.Tensor:
@@ -665,9 +665,11 @@ class Trainer:
         return loss, metrics
 
     def backward_micro(self, part: Rollout, masked: Rollout | None, mask: torch.Tensor, old_logp: torch.Tensor,
-                       adv: torch.Tensor, ref: torch.Tensor | None, denom: torch.Tensor) -> tuple[float, dict[str, float]]:
+                       adv: torch.Tensor, ref: torch.Tensor | None, denom: torch.Tensor,
+                       weights: torch.Tensor | None = None) -> tuple[float, dict[str, float]]:
         """Backward of `micro_loss` on `part`; `ref` is the reference's log-probs, or with the
-        gaussian KL its step means (an input of the scores, not of the loss). With several unit
+        gaussian KL its step means (an input of the scores, not of the loss); `weights` the
+        mismatch correction's (see `correct_mismatch`). With several unit
         windows (`train.unit_chunk`), the loss is first taken on scores computed without graph,
         which gives its gradient with respect to every unit's scores; each window is then
         recomputed with graph and back-propagated against that gradient. The chain rule makes the
@@ -675,7 +677,7 @@ class Trainer:
         ratios included), while only one window's activations are alive at a time."""
         windows = self.unit_windows(part.units.shape[1])
         ref_means, ref_logp = (ref, None) if self.gaussian_kl else (None, ref)
-        loss_inputs = (mask, old_logp, adv, ref_logp, denom)
+        loss_inputs = (mask, old_logp, adv, ref_logp, denom, weights)
         if len(windows) == 1:
             loss, metrics = self.micro_loss(part, self.score_units(part, masked, ref_means=ref_means), *loss_inputs)
             loss.backward()
@@ -693,11 +695,13 @@ class Trainer:
                 term.backward()
         return loss.item(), metrics
 
-    def correct_mismatch(self, rollout: Rollout, old_logp: torch.Tensor, mask: torch.Tensor,
-                         adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """The advantages times the TIS / MIS weights of the behaviour policy (the engine's log-probs,
-        else the sampler's) against `old_logp`. The weights are >= 0 and detached, so for every
-        clipped loss this reweights each unit's loss term: min(r w A, clip(r) w A) = w min(r A, clip(r) A)."""
+    def correct_mismatch(self, rollout: Rollout, old_logp: torch.Tensor, mask: torch.Tensor
+                         ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The TIS / MIS weights of the behaviour policy (the engine's log-probs, else the
+        sampler's) against `old_logp`: [N] per sequence or [N, T] per unit, >= 0 and detached. The
+        policy loss multiplies each unit's whole loss term by them (`algos.policy_loss(weights=)`),
+        so a loss's own terms (KL-Cov's penalty) are weighted too and its choices (the tokens
+        KL-Cov and Clip-Cov pick) are made on the unweighted advantages."""
         r = self.cfg.rollout
         level = r.correction_level
         if level == "auto":
@@ -705,11 +709,7 @@ class Trainer:
         behaviour = rollout.logp_beh if rollout.logp_beh is not None else rollout.logp_old
         weights, metrics = algos.mismatch_weights(old_logp, behaviour, mask, kind=r.correction, level=level,
                                                   cap=r.correction_cap)
-        if weights.dim() == 2 and adv.dim() == 1:
-            adv = adv[:, None]
-        elif weights.dim() == 1 and adv.dim() == 2:
-            weights = weights[:, None]
-        return adv * weights.to(adv.dtype), {f"correction/{k}": float(v) for k, v in metrics.items()}
+        return weights, {f"correction/{k}": float(v) for k, v in metrics.items()}
 
     def certainty_weights(self, rollout: Rollout, masked: Rollout, mask: torch.Tensor,
                           adv: torch.Tensor) -> torch.Tensor:
@@ -744,9 +744,9 @@ class Trainer:
         masked = self.policy.mask_images(rollout, a.mask_prob, self.sample_gen) if a.masks_images and N else None
         if a.certainty_reweight > 0 and N:
             adv = adv[:, None] * self.certainty_weights(rollout, masked, mask, adv)
-        correction_metrics = {}
+        correction, correction_metrics = None, {}
         if self.cfg.rollout.correction != "none" and N:
-            adv, correction_metrics = self.correct_mismatch(rollout, old_logp, mask, adv)
+            correction, correction_metrics = self.correct_mismatch(rollout, old_logp, mask)
         budget, sizes = self.unit_budget(rollout), self.row_sizes(rollout)
         sums: dict[str, float] = defaultdict(float)
         row_means: set[str] = set()  # metrics that are means over this rank's rows
@@ -771,8 +771,8 @@ class Trainer:
                     T = part.units.shape[1]  # trimmed under train.max_tokens_per_micro
                     loss, metrics = self.backward_micro(
                         part, None if masked is None else self.micro_part(masked, micro), mask[micro, :T],
-                        old_logp[micro, :T], adv[micro] if adv.dim() == 1 else adv[micro, :T],
-                        None if ref is None else ref[micro, :T], denom)
+                        old_logp[micro, :T], rows_of(adv, micro, T), None if ref is None else ref[micro, :T], denom,
+                        None if correction is None else rows_of(correction, micro, T))
                     sums["loss"] += loss
                     for k, v in metrics.items():
                         if k in SUMMED_TERMS:
@@ -1019,6 +1019,11 @@ def batch_stats(adv: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tenso
         "len/mean": lengths.float().mean().item(), "len/max": lengths.max().item(),
         "len/truncated_frac": truncated.float().mean().item(),
     }
+
+
+def rows_of(x: torch.Tensor, rows: torch.Tensor, T: int) -> torch.Tensor:
+    """Rows `rows` of a per-row [N] or per-unit [N, T'] tensor, units cut to the micro-batch's T."""
+    return x[rows] if x.dim() == 1 else x[rows, :T]
 
 
 def split_largest(batches: list[torch.Tensor], count: int) -> list[torch.Tensor]:

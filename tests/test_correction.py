@@ -328,9 +328,9 @@ def test_non_finite_at_masked_position(bad):
 # ---------------------------------------------------------------- wired into the trainer
 
 
-def test_the_trainer_weights_each_units_advantage_by_its_truncated_ratio(tmp_path):
-    """`rollout.correction: tis`: the update's advantages are the estimator's times min(rho, 2), rho
-    = pi_old / pi_beh per unit, from the rollout's behaviour log-probs (an engine's); the logged
+def test_the_trainer_weights_each_units_loss_by_its_truncated_ratio(tmp_path):
+    """`rollout.correction: tis`: each unit's loss term is weighted by min(rho, 2), rho = pi_old /
+    pi_beh per unit, from the rollout's behaviour log-probs (an engine's); the logged
     share truncated is the share of units with rho > 2."""
     import sys
     from pathlib import Path
@@ -348,9 +348,8 @@ def test_the_trainer_weights_each_units_advantage_by_its_truncated_ratio(tmp_pat
     rho = torch.tensor([0.5, 3.0, 1.5, 2.5])[torch.arange(rollout.mask.shape[1]) % 4].expand_as(rollout.logp_old)
     rollout.logp_beh = rollout.logp_old - rho.log()
     adv = trainer.advantages(rollout)
-    corrected, metrics = trainer.correct_mismatch(rollout, rollout.logp_old, rollout.mask, adv)
-    expected = adv[:, None] * torch.where(rollout.mask, rho.clamp(max=2.0), torch.zeros_like(rho))
-    torch.testing.assert_close(corrected, expected)
+    weights, metrics = trainer.correct_mismatch(rollout, rollout.logp_old, rollout.mask)
+    torch.testing.assert_close(weights, torch.where(rollout.mask, rho.clamp(max=2.0), torch.zeros_like(rho)))
     share = ((rho > 2) & rollout.mask).sum() / rollout.mask.sum()
     assert metrics["correction/truncated_frac"] == pytest.approx(float(share))
     logged = trainer.update(rollout)
@@ -376,8 +375,33 @@ def test_auto_level_gives_a_sequence_loss_one_weight_per_sequence(tmp_path):
     log_rho = torch.linspace(-0.3, 0.3, len(rollout))[:, None].expand_as(rollout.logp_old)  # per row, per unit
     rollout.logp_beh = rollout.logp_old - log_rho
     adv = trainer.advantages(rollout)
-    corrected, _ = trainer.correct_mismatch(rollout, rollout.logp_old, rollout.mask, adv)
-    assert corrected.shape == adv.shape  # still one advantage per sequence
-    seq = torch.exp((log_rho * rollout.mask).sum(1)).clamp(max=2.0)
-    torch.testing.assert_close(corrected, adv * seq)
+    weights, _ = trainer.correct_mismatch(rollout, rollout.logp_old, rollout.mask)
+    assert weights.shape == adv.shape  # one weight per sequence, as its advantage
+    torch.testing.assert_close(weights, torch.exp((log_rho * rollout.mask).sum(1)).clamp(max=2.0))
     assert "correction/truncated_frac" in trainer.update(rollout)
+
+
+def test_correction_weights_the_whole_kl_cov_loss_and_picks_tokens_by_the_plain_advantage():
+    """KL-Cov by hand, one row of 4 tokens: centred covariances (logp - 0.05)(A - 0.625) are
+    0.019, 0.406, 0.344, 0.006, so token 1 takes the penalty 0.1 |logp - old|. The loss is the
+    token mean of w * (-exp(logp - old) A + penalty). Weighting the advantages instead (the old
+    trainer) would rank by A w, pick token 2 (0.703) and leave the penalty unweighted."""
+    import math
+
+    from mmrl.algos import policy_loss
+
+    lp, adv, w = [0.1, -0.2, 0.3, 0.0], [1.0, -1.0, 2.0, 0.5], [0.5, 0.25, 2.0, 1.0]
+    old, mask = torch.zeros(1, 4), torch.ones(1, 4, dtype=torch.bool)
+    term = [-math.exp(x) * a + (0.1 * abs(x) if i == 1 else 0.0) for i, (x, a) in enumerate(zip(lp, adv))]
+    expected = sum(wi * ti for wi, ti in zip(w, term)) / 4
+    loss, metrics = policy_loss("kl_cov", torch.tensor([lp]), old, torch.tensor([adv]), mask, weights=torch.tensor([w]))
+    assert loss.item() == pytest.approx(expected, rel=1e-6) and metrics["cov_selected"].item() == 1
+    weighted_adv, _ = policy_loss("kl_cov", torch.tensor([lp]), old, torch.tensor([adv]) * torch.tensor([w]), mask)
+    assert abs(weighted_adv.item() - expected) > 1e-3  # the two are not the same loss
+    # Clip-Cov and a sequence weight [N]: a constant weight scales the loss, whatever tokens it detaches.
+    args = (torch.tensor([lp, lp]), torch.zeros(2, 4), torch.tensor([adv, adv]), torch.ones(2, 4, dtype=torch.bool))
+    kw = {"clip_cov_lb": 0.0, "clip_cov_ub": 1.0, "clip_cov_ratio": 0.25}
+    plain, _ = policy_loss("clip_cov", *args, generator=torch.Generator().manual_seed(0), **kw)
+    scaled, _ = policy_loss("clip_cov", *args, generator=torch.Generator().manual_seed(0), weights=torch.tensor([3.0, 3.0]),
+                            **kw)
+    assert scaled.item() == pytest.approx(3 * plain.item(), rel=1e-6)

@@ -432,6 +432,11 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Aggregated policy loss `name` and detached 0-dim metrics.
 
+    `weights` (optional; [N] per sequence or [N, T] per unit; >= 0, detached) multiply each unit's
+    whole loss term before aggregation: the importance weights of a training-inference mismatch
+    correction, as verl applies its rollout IS weights. What a loss chooses from the advantages
+    (KL-Cov's and Clip-Cov's covariance-ranked tokens) sees them unweighted.
+
     Metrics always include clip_frac, approx_kl (mean over masked tokens of the k3 estimator
     exp(old-new) - (old-new) - 1 of KL(old || new)), ratio_min / ratio_mean / ratio_max (token
     ratio over masked tokens; the sequence ratio for gspo, gspo_token and gmpo).
@@ -446,6 +451,7 @@ def policy_loss(
     agg = params.pop("agg", None) or spec.default_agg
     max_response_len = params.pop("max_response_len", None)
     denominator = params.pop("denominator", None)
+    weights = params.pop("weights", None)
     _check_agg(agg, max_response_len)
     kwargs = {**spec.defaults, **params}
 
@@ -466,6 +472,9 @@ def policy_loss(
         raise AlgorithmError(
             f"loss {spec.name!r} returned a per-token term of shape {tuple(per_token.shape)}, expected {tuple(lp.shape)}"
         )
+    if weights is not None:
+        w = weights.detach().to(dtype)
+        per_token = per_token * (w[:, None] if w.dim() == 1 else w)
     loss = aggregate(per_token, m, agg, max_response_len, denominator)
 
     with torch.no_grad():

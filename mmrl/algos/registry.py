@@ -35,8 +35,8 @@ AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-sum-norm",
 )
 
-# Parameters every loss accepts on top of its own `defaults` (they steer aggregation).
-COMMON_LOSS_PARAMS: tuple[str, ...] = ("agg", "max_response_len", "denominator")
+# Parameters every loss accepts on top of its own `defaults`: aggregation, and per-unit weights (policy_loss).
+COMMON_LOSS_PARAMS: tuple[str, ...] = ("agg", "max_response_len", "denominator", "weights")
 
 
 class AlgorithmError(ValueError):
