@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mmrl.evals.planning_metrics import evaluate_plans, evaluate_plans_by_level
+from mmrl.envs.planning.metrics import evaluate_plans, evaluate_plans_by_level
 
 ENV_TITLES = {"frozenlake": "FrozenLake", "maze": "Maze", "minibehavior": "MiniBehavior"}
 METRIC_KEYS = ("exact_match", "progress_rate", "success_rate", "invalid_share_of_failures")

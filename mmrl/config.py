@@ -142,6 +142,9 @@ class AlgoConfig:
     papo_gamma: float = 0.0
     papo_kl_max: float = 0.0
     papo_entropy: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    # More terms added to the policy loss, each {name: <mmrl.loss_terms registry>, <its fields>}
+    # (the built-in ones come from the keys above; docs/architecture.md, "Add a loss term").
+    loss_terms: list[dict[str, Any]] = field(default_factory=list)
     # VL-Calibration (arXiv 2604.09529): > 0 reweights the advantages of negative-advantage tokens
     # by the rollout's visual certainty, w = clip(1 + alpha (1 - 2c), 0, 2) with alpha = this value.
     certainty_reweight: float = 0.0
@@ -547,12 +550,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"algo.loss: {exc}") from None
     check_names(cfg.algo.loss_params, [p for p in loss_spec.accepted_params if p not in ("denominator", "weights")],
                  f"algo.loss_params (loss {cfg.algo.loss!r})")
-    # The trainer's estimators take (rewards, group ids); GAE needs a value model the trainer does not train.
-    estimators = [name for name, *_ in list_algorithms()["advantage"] if not get_advantage_spec(name).token_level]
+    estimators = [name for name, *_ in list_algorithms()["advantage"]]
     adv = cfg.algo.resolved_advantage()
-    if adv == "gae":
-        raise ConfigError("algo.advantage: 'gae' needs a value model, which mmrl's trainer does not train; "
-                          f"valid: {', '.join(sorted(estimators))}")
     _check(adv in estimators, f"algo.advantage: unknown estimator {adv!r}; valid: {', '.join(sorted(estimators))}")
     check_names(cfg.algo.advantage_params, [p for p in get_advantage_spec(adv).params if p != "mask"],
                  f"algo.advantage_params (estimator {adv!r})")
@@ -667,6 +666,12 @@ def validate(cfg: RunConfig) -> None:
     _check(a.sft_coef >= 0, f"algo.sft_coef must be >= 0, got {a.sft_coef}")
     _check(a.sft_batch_size is None or a.sft_batch_size >= 1,
            f"algo.sft_batch_size must be >= 1 (or null: sft.batch_size), got {a.sft_batch_size}")
+    try:
+        from mmrl.loss_terms import from_algo
+
+        from_algo(a)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _check(a.papo_gamma >= 0, f"algo.papo_gamma must be >= 0 (0 = off), got {a.papo_gamma}")
     _check(a.papo_kl_max >= 0, f"algo.papo_kl_max must be >= 0 (0 = no clip), got {a.papo_kl_max}")
     _check(len(a.papo_entropy) == 2 and min(a.papo_entropy) >= 0,

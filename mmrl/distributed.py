@@ -190,14 +190,15 @@ def first_message(d: Dist, message: str | None) -> str | None:
 # Metrics combined over ranks by a sum (counters) instead of a mean.
 SUMMED_METRICS = ("sampling/kept_groups", "sampling/short_groups", "replay/pushed", "replay/drawn",
                   "replay/size", "guide/failed_groups", "gen_tokens")
-# The loss and the terms normalised by the whole step over every rank (trainer.SUMMED_TERMS): each
+# The loss and its terms (mmrl.loss_terms) are normalised by the whole step over every rank: each
 # rank logs world x its share, so one process's value is their mean over every rank, a rank without
-# rows (which logs none) counting 0.
+# rows (which logs none) counting 0. The trainer names its terms; these are the built-in ones.
 STEP_NORMALISED = ("train/loss", "train/entropy", "train/kl_ref", "train/perception_kl", "train/entropy_masked")
 _EXTREME = re.compile(r"[/_](max|min)$")  # adv/max, len/max, ratio_min: whatever the separator
 
 
-def combine(key: str, values: list[float], weights: list[float], world: int, summed: bool = False) -> float:
+def combine(key: str, values: list[float], weights: list[float], world: int, summed: bool = False,
+            step_normalised: Collection[str] = STEP_NORMALISED) -> float:
     """One metric's value over the ranks that logged it: extremes by max / min, counters summed,
     step-normalised loss terms averaged over the `world`, else the mean weighted by how many items
     each rank's value is a mean over. Equal values pass through unchanged: a statistic every rank
@@ -207,7 +208,7 @@ def combine(key: str, values: list[float], weights: list[float], world: int, sum
         return max(values) if extreme.group(1) == "max" else min(values)
     if summed or key in SUMMED_METRICS:
         return sum(values)
-    if key in STEP_NORMALISED:
+    if key in step_normalised:
         return sum(values) / world
     if min(values) == max(values):
         return values[0]
@@ -218,10 +219,12 @@ def combine(key: str, values: list[float], weights: list[float], world: int, sum
 
 
 def reduce_metrics(d: Dist, metrics: dict[str, float], weights: dict[str, float] | None = None,
-                   summed: Collection[str] = ()) -> dict[str, float]:
+                   summed: Collection[str] = (), step_normalised: Collection[str] = STEP_NORMALISED
+                   ) -> dict[str, float]:
     """Combine every rank's metrics into what one process on the union batch logs (see `combine`);
     `weights[key]` is the number of items this rank's `key` is a mean over (1 for a key without
-    one); `summed` names more counters (a reward's `counted_metrics`). A key that only some ranks
+    one); `summed` names more counters (a reward's `counted_metrics`), `step_normalised` the
+    loss and its terms. A key that only some ranks
     logged (a warning's counter) is combined over those."""
     if not d.active:
         return metrics
@@ -232,7 +235,7 @@ def reduce_metrics(d: Dist, metrics: dict[str, float], weights: dict[str, float]
     out: dict[str, float] = {}
     for key in sorted({k for m in every for k in m}):
         pairs = [m[key] for m in every if key in m]
-        out[key] = combine(key, [v for v, _ in pairs], [w for _, w in pairs], d.world, key in summed)
+        out[key] = combine(key, [v for v, _ in pairs], [w for _, w in pairs], d.world, key in summed, step_normalised)
     return out
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl import algos, distributed
+from mmrl import algos, distributed, loss_terms
 from mmrl.checkpoint import (atomic_write_text, check_same_run, discard_run, find_latest, load_whole_checkpoint,
                              resolve_checkpoint, rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state,
                              write_run_config)
@@ -109,9 +109,6 @@ class StopRequest:
         self._previous.clear()
 
 
-# Loss terms normalised by the whole optimizer step: summed over its micro-batches, averaged over steps
-# (and over ranks as distributed.STEP_NORMALISED says).
-SUMMED_TERMS = ("entropy", "kl_ref", "perception_kl", "entropy_masked")
 # Rank r's sampling generators are seeded seed + r * RANK_SEED_STRIDE (rank 0: the single-process seeds).
 RANK_SEED_STRIDE = 1_000_003
 
@@ -135,6 +132,10 @@ class Trainer:
         # Flow-GRPO's exact KL of Gaussian steps: a score of the policy's forward, from the
         # reference's step means, instead of an estimator on log-probs
         self.gaussian_kl = cfg.algo.beta > 0 and cfg.algo.kl_kind == algos.GAUSSIAN_KL
+        # What the update adds to the policy loss (mmrl.loss_terms). Their values are normalised by
+        # the whole optimizer step: summed over its micro-batches, averaged over steps and ranks.
+        self.loss_terms = loss_terms.from_algo(cfg.algo)
+        self.term_names = tuple(term.name for term in self.loss_terms)
         self.distribute_model()
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
         t = cfg.train
@@ -595,16 +596,10 @@ class Trainer:
 
     def trained_scores(self) -> tuple[str, ...]:
         """The per-unit scores the loss differentiates (the rest are only logged or used as weights)."""
-        a = self.cfg.algo
         keys = ["logp"]
-        if self.gaussian_kl:
-            keys.append("kl_ref")
-        if a.entropy_coef > 0 or a.papo_entropy[0] > 0:
-            keys.append("entropy")
-        if a.papo_gamma > 0:
-            keys.append("logp_masked")
-        if a.papo_entropy[1] > 0:
-            keys.append("entropy_masked")
+        for term in self.loss_terms:
+            if term.coef != 0 and term.score not in keys:
+                keys.append(term.score)
         return tuple(keys)
 
     def score_units(self, part: Rollout, masked: Rollout | None, window: slice | None = None,
@@ -640,28 +635,13 @@ class Trainer:
                                           weights=weights, **{k: v for k, v in params.items() if k != "agg"})
         metrics = {k: float(v) for k, v in metrics.items()}
 
-        def aggregate(per_unit: torch.Tensor) -> torch.Tensor:
-            return algos.aggregate(per_unit, mask, self.agg, budget, denominator=denom)
-
-        kl = scores.get("kl_ref")  # the gaussian KL, scored by the policy; else an estimator on log-probs
-        if kl is None and ref_logp is not None:
-            kl = algos.kl_penalty(logp, ref_logp, a.kl_kind, mask=mask)
-        if kl is not None:
-            kl_term = aggregate(kl)
-            loss = loss + a.beta * kl_term
-            metrics["kl_ref"] = kl_term.item()
-        trained = self.trained_scores()
-        ent_term = aggregate(entropy if "entropy" in trained else entropy.detach())
-        loss = loss + (a.papo_entropy[0] - a.entropy_coef) * ent_term
-        metrics["entropy"] = ent_term.item()
-        if "logp_masked" in scores:  # PAPO's implicit perception loss, maximised
-            kl_prcp = aggregate(algos.perception_kl(logp, scores["logp_masked"], mask, a.papo_kl_max))
-            loss = loss - a.papo_gamma * kl_prcp
-            metrics["perception_kl"] = kl_prcp.item()
-        if "entropy_masked" in scores:
-            ent_masked = aggregate(scores["entropy_masked"])
-            loss = loss + a.papo_entropy[1] * ent_masked
-            metrics["entropy_masked"] = ent_masked.item()
+        inputs = loss_terms.TermInputs(scores, mask, ref_logp, self.trained_scores())
+        for term in self.loss_terms:
+            per_unit = term.per_unit(inputs)
+            if per_unit is not None:
+                value = algos.aggregate(per_unit, mask, self.agg, budget, denominator=denom)
+                loss = loss + term.coef * value
+                metrics[term.name] = value.item()
         return loss, metrics
 
     def backward_micro(self, part: Rollout, masked: Rollout | None, mask: torch.Tensor, old_logp: torch.Tensor,
@@ -775,7 +755,7 @@ class Trainer:
                         None if correction is None else rows_of(correction, micro, T))
                     sums["loss"] += loss
                     for k, v in metrics.items():
-                        if k in SUMMED_TERMS:
+                        if k in self.term_names:
                             sums[k] += v
                         elif k.endswith("_max"):
                             sums[k] = max(sums.get(k, v), v)
@@ -788,7 +768,7 @@ class Trainer:
                     sums["sft_loss"] += self.sft_mix_backward()
                 sums["grad_norm"] += self._optimizer_step()
                 n_updates += 1
-        out = {f"train/{k}": v / max(1, n_updates) if k in ("loss", "grad_norm", "sft_loss", *SUMMED_TERMS) else v
+        out = {f"train/{k}": v / max(1, n_updates) if k in ("loss", "grad_norm", "sft_loss", *self.term_names) else v
                for k, v in sums.items()}
         out["train/lr"] = self.scheduler.get_last_lr()[0]
         out.update(correction_metrics)
@@ -954,7 +934,8 @@ class Trainer:
             except RewardFailure:  # raised while collecting, before the update: the step did not happen
                 self.restore_step_start(start)
                 raise
-            metrics = distributed.reduce_metrics(self.dist, stats, self.metric_weights, self.summed_metrics)
+            metrics = distributed.reduce_metrics(self.dist, stats, self.metric_weights, self.summed_metrics,
+                                                 ("train/loss", *(f"train/{name}" for name in self.term_names)))
             self.step += 1
             if self.step % t.log_every == 0:
                 self.log.log(metrics, step=self.step)

@@ -87,6 +87,7 @@ def test_cli_lists_algorithms_with_citations(capsys):
     for name, cite in [("grpo", "2402.03300"), ("gspo", "2507.18071"), ("cispo", "2506.13585"), ("rloo", "2402.14740")]:
         line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
         assert cite in line
+    assert not any(line.strip().startswith("gae ") for line in out.splitlines())  # no value head is trained
 
 
 def test_parse_overrides_nests():
@@ -213,7 +214,7 @@ def test_a_typo_in_any_component_of_a_shipped_config_is_one_line(path, capsys, m
     ("task.name=chess", "task.name: unknown task 'chess'"),
     ("rewards.0.weight=heavy", "rewards[0].weight: expected a number"),
     ("sampling.temperature=0", "sampling.temperature must be > 0"),
-    ("algo.advantage=gae", "'gae' needs a value model"),
+    ("algo.advantage=gae", "algo.advantage: unknown estimator 'gae'"),
     ("algo.kl_kind=k9", "algo.kl_kind: invalid value 'k9'; valid: abs, gaussian, k1, k2, k3"),
     ("sft.lr=-1", "sft.lr must be > 0"),
     ("train.device=tpu", "train.device: invalid value 'tpu'"),

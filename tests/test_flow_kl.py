@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mmrl
-from mmrl import algos
+from mmrl import algos, loss_terms
 from mmrl.cli import main
 from mmrl.flow import flow_timesteps, gaussian_kl, gaussian_logprob, sde_step
 from mmrl.trainer import Trainer
@@ -102,6 +102,7 @@ def test_the_kl_gradient_is_the_direct_one_and_the_same_with_unit_windows(tmp_pa
         policy.model.load_state_dict(state)
         trainer.cfg.train.unit_chunk = unit_chunk
         trainer.cfg.algo.beta = beta
+        trainer.loss_terms = loss_terms.from_algo(trainer.cfg.algo)  # the trainer reads its terms once
         metrics = trainer.update(rollout)
         return metrics, {k: p.grad.clone() for k, p in policy.model.named_parameters() if p.grad is not None}
 

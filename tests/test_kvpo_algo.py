@@ -1,23 +1,17 @@
 """KVPO functions (docs/kvpo.md) against values written out by hand."""
 
-import math
-
 import pytest
 import torch
 
+from mmrl.algos import compute_advantages, policy_loss
 from mmrl.algos.kvpo import (
     anchor_advantages,
     anchor_relative_advantages,
     branch_logprobs,
-    discrete_kl,
     first_steps_mask,
     fuse_signal_advantages,
-    kvpo_loss,
-    protect_scale,
-    routes_to_mask,
     sample_history_routes,
     trajectory_velocity_energy,
-    try_kl_penalty,
     tve_step_weights,
 )
 
@@ -111,12 +105,6 @@ def test_routes_bad_arguments(args, kw, match):
         sample_history_routes(*args, generator=gen(0), **kw)
 
 
-def test_routes_to_mask():
-    assert routes_to_mask(T([[0, 2], [1, 2]]), 3).tolist() == [[True, False, True], [False, True, True]]
-    with pytest.raises(ValueError):
-        routes_to_mask(T([[0, 3]]), 3)
-
-
 # ------------------------------------------------------------------------------------------------
 # TVE and the branch policy
 # ------------------------------------------------------------------------------------------------
@@ -145,7 +133,6 @@ def test_tve_by_hand():
     w = T([0.5, 0.25])
     close(trajectory_velocity_energy(vb, vr), [3.0, 5.0])
     close(trajectory_velocity_energy(vb, vr, w), [1.0, 1.25])
-    close(trajectory_velocity_energy(vb, vr, w, reduce="mean"), [1.0 / 0.75, 1.25 / 0.75])
     valid = T([[True, True], [True, False]])
     close(trajectory_velocity_energy(vb, vr, w, valid=valid), [1.0, 0.0])
     vr_nan = vr.clone()
@@ -178,8 +165,6 @@ def test_tve_shape_errors():
         trajectory_velocity_energy(torch.zeros(2, 3), torch.zeros(2, 4))
     with pytest.raises(ValueError):
         trajectory_velocity_energy(torch.zeros(2, 3), torch.zeros(2, 3), step_weights=torch.ones(4))
-    with pytest.raises(ValueError):
-        trajectory_velocity_energy(torch.zeros(2, 3), torch.zeros(2, 3), reduce="max")
 
 
 # rows: group 7 = three branches (TVE 1, 2, 3) + anchor (TVE nan, ignored); group 3 = two branches (5, 5)
@@ -219,7 +204,7 @@ def test_branch_logprobs_groups_do_not_leak():
 
 
 # ------------------------------------------------------------------------------------------------
-# Anchor-relative advantages, fusion, protect
+# Anchor-relative advantages and fusion
 # ------------------------------------------------------------------------------------------------
 
 # Group 5: branches r = 1, 2, 4 and the anchor r = 3 (third row).
@@ -277,14 +262,6 @@ def test_two_signal_advantages_by_hand():
     close(adv, [1.5, 0.53269207, 0.0])
 
 
-def test_raw_weighted_advantage_by_hand():
-    # aggregate a + 0.5 b = (4.5, 2.5 | 2.5): std_u = sqrt(4/3) -> (2 / 1.1547005, 0) = (1.7320508, 0)
-    adv, per = anchor_advantages({"local": TWO["local"]}, TWO_ANCHOR, TWO_GIDS, W,
-                                 signal_weights={"local": 1.0}, fusion="none", adv_clip=0.0, raw_weighted=True)
-    close(per["local"], [1.73205081, 0.0, 0.0])
-    close(adv, [1.73205081, 0.0, 0.0])
-
-
 def test_anchor_advantage_is_zero_and_constant_group_is_zero():
     r = {"local": {"a": T([3.0, 3.0, 3.0, 1.0, 2.0, 9.0])}}
     anchor = T([False, True, False, False, True, False])
@@ -329,136 +306,15 @@ def test_advantage_errors():
         anchor_relative_advantages({"r": T([1.0, float("nan")])}, T([False, True]), T([0, 0]))
 
 
-def test_protect_scale_by_hand():
-    # group 0: local branches (1, 2) < anchor 3, global branch 5 > anchor 4 -> safe (OR over signals)
-    # group 1: local branches tie the anchor (1 = 1), global below -> unsafe (strict >)
-    r = {
-        "local": {"a": T([1.0, 2.0, 3.0, 1.0, 1.0, 1.0])},
-        "global": {"a": T([0.0, 5.0, 4.0, 0.0, 0.0, 2.0])},
-    }
-    anchor = T([False, False, True, False, False, True])
-    gids = T([0, 0, 0, 1, 1, 1])
-    close(protect_scale(r, anchor, gids, mode="mechanism_2"), [1, 1, 1, 0.5, 0.5, 0.5])
-    close(protect_scale(r, anchor, gids, mode="mechanism_1"), [1, 1, 1, 0, 0, 0])
-    close(protect_scale(r, anchor, gids, mode="none"), [1] * 6)
-    # component weights enter the raw aggregate: b weighted 0.5 lifts branch 0 of group 1 above the anchor
-    r2 = {"local": {"a": T([1.0, 2.0, 3.0, 1.0, 1.0, 1.0]), "b": T([0.0, 0.0, 0.0, 1.0, 0.0, 0.0])}}
-    close(protect_scale(r2, anchor, gids, {"b": 0.5}, mode="mechanism_1"), [0, 0, 0, 1, 1, 1])
-    with pytest.raises(ValueError):
-        protect_scale(r, anchor, gids, mode="mechanism_3")
-
-
 # ------------------------------------------------------------------------------------------------
-# Objective
+# Objective: the registry's clipped loss on the branch log-probs (configs/video_kvpo.yaml)
 # ------------------------------------------------------------------------------------------------
-
-# One group: four branches (π_old uniform, π = 0.375, 0.125, 0.125, 0.375 -> ratios 1.5, 0.5, 0.5, 1.5)
-# and the anchor row (garbage logp, masked out). A = (1, -1, 2, -2), clip to [0.9, 1.2]:
-#   b0: min(1.5, 1.2) = 1.2 (clipped)   b1: min(-0.5, -0.9) = -0.9 (clipped)
-#   b2: min(1.0, 1.8) = 1.0             b3: min(-3.0, -2.4) = -3.0
-#   L_pg = -(1.2 - 0.9 + 1.0 - 3.0) / 4 = 0.425
-P_NEW = [0.375, 0.125, 0.125, 0.375]
-LOGP = [math.log(p) for p in P_NEW] + [123.0]
-LOGP_OLD = [math.log(0.25)] * 4 + [-7.0]
-ADV = [1.0, -1.0, 2.0, -2.0, 0.0]
-MASK = T([True, True, True, True, False])
-GIDS = T([4, 4, 4, 4, 4])
-
-
-def _loss(**kw):
-    logp = T(LOGP, dtype=F64, requires_grad=True)
-    loss, metrics = kvpo_loss(logp, T(LOGP_OLD, dtype=F64), T(ADV, dtype=F64), GIDS, MASK, **kw)
-    loss.backward()
-    return loss, metrics, logp.grad
-
-
-def test_kvpo_loss_clipped_objective_by_hand():
-    loss, m, grad = _loss(kl_coef=0.0)
-    close(loss, 0.425)
-    close(m["pg_loss"], 0.425)
-    close(m["clip_frac"], 1.0)  # every ratio lies outside [0.9, 1.2]
-    close(m["ratio_mean"], 1.0)
-    # clipped terms carry no gradient; unclipped: d(-rho A / 4)/dlogp = -rho A / 4
-    close(grad, [0.0, 0.0, -0.25, 0.75, 0.0])
-
-
-def test_kvpo_loss_discrete_kl_by_hand():
-    # KL(π || uniform) = 0.75 log 1.5 + 0.25 log 0.5 = 0.13081204; total = 0.425 + 10 * KL
-    loss, m, grad = _loss()  # defaults: kl discrete_kl, coef 10, ref = logp_old
-    close(loss, 1.73312036)
-    close(m["kl"], 0.13081204)
-    # + 10 * d/dlogp_i [p_i (logp_i - log 0.25)] = 10 p_i (log(p_i / 0.25) + 1)
-    close(grad, [5.27049416, 0.38356602, 0.13356602, 6.02049416, 0.0])
-    kl_rows = discrete_kl(T(LOGP, dtype=F64), T(LOGP_OLD, dtype=F64), MASK)
-    close(kl_rows.sum(), 0.13081204)
-    assert kl_rows[4] == 0
-
-
-def test_kvpo_loss_try_kl_and_scale():
-    kl_rows = T([0.0, 0.0, 0.0, 0.0, 0.3], dtype=F64)  # the anchor replay's MSE on the anchor row
-    loss, _, _ = _loss(kl_mode="try_kl", kl_rows=kl_rows)
-    close(loss, 0.425 + 10 * 0.3)
-    with pytest.raises(ValueError, match="kl_rows"):
-        _loss(kl_mode="try_kl")
-    loss, m, grad = _loss(kl_coef=0.0, row_scale=T([0.5] * 5, dtype=F64))  # mechanism_2, unsafe group
-    close(loss, 0.2125)
-    close(grad, [0.0, 0.0, -0.125, 0.375, 0.0])
-    close(m["scale_mean"], 0.5)
-    close(m["skip_update"], 0.0)
-    loss, m, _ = _loss(row_scale=T([0.0] * 5, dtype=F64))  # mechanism_1, unsafe everywhere
-    close(loss, 0.0)
-    close(m["skip_update"], 1.0)
-
-
-def test_kvpo_loss_clip_boundaries_by_hand():
-    # eight one-branch groups: ratios (0.8, 0.95, 1.1, 1.3) with A = +1, then with A = -1
-    ratios = [0.8, 0.95, 1.1, 1.3] * 2
-    adv = T([1.0] * 4 + [-1.0] * 4, dtype=F64)
-    logp = T([math.log(r) for r in ratios], dtype=F64, requires_grad=True)
-    loss, m = kvpo_loss(logp, torch.zeros(8, dtype=F64), adv, torch.arange(8), kl_coef=0.0)
-    loss.backward()
-    # A=+1: 0.8, 0.95, 1.1, min(1.3, 1.2)=1.2 (clipped). A=-1: min(-0.8, -0.9)=-0.9 (clipped), -0.95, -1.1, -1.3
-    close(loss, -((0.8 + 0.95 + 1.1 + 1.2) + (-0.9 - 0.95 - 1.1 - 1.3)) / 8)
-    close(logp.grad, T([-0.8, -0.95, -1.1, 0.0, 0.0, 0.95, 1.1, 1.3]) / 8)
-    close(m["clip_frac"], 0.5)  # 0.8 and 1.3 lie outside [0.9, 1.2]
-    with pytest.raises(ValueError):
-        kvpo_loss(logp, torch.zeros(8), adv, torch.arange(8), clip_low=1.0)
-    with pytest.raises(ValueError):
-        kvpo_loss(logp, torch.zeros(8), adv, torch.arange(8), kl_mode="k3")
-
-
-def test_kvpo_loss_groups_do_not_leak():
-    # group 4 as above plus group 9 (two branches, ratio 1, A = (1, -1): L_pg = 0); mean over groups
-    logp_b = [math.log(0.5)] * 2
-    def run(order):
-        logp = T(LOGP + [logp_b[i] for i in order], dtype=F64, requires_grad=True)
-        old = T(LOGP_OLD + [logp_b[i] for i in order], dtype=F64)
-        adv = T(ADV + [[1.0, -1.0][i] for i in order], dtype=F64)
-        loss, _ = kvpo_loss(logp, old, adv, torch.cat([GIDS, T([9, 9])]),
-                            torch.cat([MASK, T([True, True])]), kl_coef=0.0)
-        loss.backward()
-        return loss, logp.grad
-    l1, g1 = run([0, 1])
-    l2, g2 = run([1, 0])
-    close(l1, 0.425 / 2)
-    close(l2, l1)
-    close(g1[:5], [0.0, 0.0, -0.125, 0.375, 0.0])
-    close(g2[:5], g1[:5])
-    close(g2[5:], g1[5:].flip(0))
-
-
-def test_try_kl_penalty_by_hand():
-    pred_ref = torch.zeros(2, 2, 2)
-    pred = T([[[1.0, 1.0], [0.0, 2.0]], [[5.0, 5.0], [5.0, 5.0]]], requires_grad=True)
-    out = try_kl_penalty(pred, pred_ref, grad_mask=T([True, False]), rows=T([True, False]))
-    close(out, [(1.0 + 2.0) / 2, 0.0])  # mean over steps of the per-step MSE
-    out.sum().backward()
-    close(pred.grad, [[[0.5, 0.5], [0.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]]])  # 2 (p - r) / D / S on step 0
 
 
 def test_gradient_step_raises_the_logprob_of_positive_advantage_branches():
-    """TVE -> branch softmax -> loss: a descent step on the replay velocities raises log π of the
-    branch with the largest advantage and lowers the one with the most negative advantage."""
+    """TVE -> branch softmax -> the shipped loss (grpo, KVPO's clip 0.1 / 0.2, anchor masked out): a
+    descent step on the replay velocities raises log π of the branch with the largest advantage and
+    lowers the one with the most negative advantage."""
     torch.manual_seed(0)
     G, S, D = 4, 3, 5
     v_branch = torch.randn(G + 1, S, D)
@@ -474,9 +330,9 @@ def test_gradient_step_raises_the_logprob_of_positive_advantage_branches():
 
     tve, lp = logp_of(v_replay)
     tve.retain_grad()
-    loss, _ = kvpo_loss(lp, lp.detach(), adv, gids, ~anchor, logp_ref=lp.detach())  # kl_coef 10
+    loss, _ = policy_loss("grpo", lp[:, None], lp.detach()[:, None], adv, (~anchor)[:, None], eps_low=0.1, eps_high=0.2)
     loss.backward()
-    # at ratio 1 and π = uniform: dL/dTVE_j = (A_j - p_j sum A) / G = A_j / 4 (KL grad is 0 at π = π_ref)
+    # at ratio 1 and π = uniform: dL/dTVE_j = (A_j - p_j sum A) / G = A_j / 4 (the branch advantages sum to 0)
     close(tve.grad, [0.5, -0.25, 0.125, -0.375, 0.0])
     assert v_replay.grad[:, 2].abs().max() == 0  # step 2 carries no gradient
     with torch.no_grad():
@@ -485,8 +341,6 @@ def test_gradient_step_raises_the_logprob_of_positive_advantage_branches():
 
 
 def test_kvpo_anchor_estimator_takes_each_groups_first_row_as_the_anchor():
-    from mmrl.algos import compute_advantages
-
     # Group 0: anchor 0.5, branches (0.7, 0.3, 0.5): differences (0.2, -0.2, 0); fusion "std" divides
     # by their population std sqrt(0.08 / 3) = 0.1633 (sigma_c cancels): (1.2247, -1.2247, 0).
     # Group 1 (rows interleaved with group 0's, first row 1): anchor 1, branches (1, 0, 2) -> (0, -1.2247, 1.2247).

@@ -4,7 +4,7 @@ Symbolic core in :mod:`.grid`, per-task generators in :mod:`.frozenlake`, :mod:`
 :mod:`.minibehavior`, pictures and the frame parser in :mod:`.render`, seeded splits and the
 paper's test split in :mod:`.splits`, gymnasium wrappers in :mod:`.gym_env` (imported lazily so
 the rest works without gymnasium). Rewards: :mod:`mmrl.rewards.planning`; metrics:
-:mod:`mmrl.evals.planning_metrics`.
+:mod:`.metrics`.
 """
 
 from .grid import (

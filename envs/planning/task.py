@@ -373,7 +373,7 @@ class PlanningTask(TaskBase):
         """EM, PR, success and the invalid share of failed plans, overall and per level.
 
         A policy without `plan` (e.g. a one-shot text planner) gets no plan metrics here: {}."""
-        from mmrl.evals.planning_metrics import evaluate_plans, evaluate_plans_by_level
+        from mmrl.envs.planning.metrics import evaluate_plans, evaluate_plans_by_level
 
         if not hasattr(policy, "plan"):
             return {}

@@ -14,9 +14,9 @@ from .registry import (
     register_advantage,
     register_loss,
 )
-from .advantages import Groups, compute_advantages, gae, make_groups, masked_whiten
+from .advantages import Groups, compute_advantages, make_groups
 from .losses import agg_denominator, aggregate, policy_loss
-from .kl import GAUSSIAN_KL, entropy_from_logits, kl_penalty
+from .kl import GAUSSIAN_KL, kl_penalty
 from . import shaping
 from .shaping import (
     failed_groups,
@@ -51,9 +51,7 @@ __all__ = [
     "aggregate",
     "compute_advantages",
     "dpo_loss",
-    "entropy_from_logits",
     "failed_groups",
-    "gae",
     "get_advantage_spec",
     "get_loss_spec",
     "gfpo_advantages",
@@ -65,7 +63,6 @@ __all__ = [
     "make_groups",
     "mask_patches",
     "mask_truncated",
-    "masked_whiten",
     "mismatch_weights",
     "nonconstant_groups",
     "offline",

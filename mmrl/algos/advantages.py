@@ -2,8 +2,7 @@
 
 All group statistics are segment reductions (`scatter_add_` / `scatter_reduce_`) over a slot
 label per sample: the ids themselves when they are small non-negative integers, else a verified
-hash of them (no sort). No Python loop over samples or groups; the only loop is GAE's recursion
-over time, vectorised over the batch.
+hash of them (no sort). No Python loop over samples or groups.
 """
 
 from __future__ import annotations
@@ -19,14 +18,13 @@ from .registry import (
     as_bool_mask,
     check_finite,
     get_advantage_spec,
-    paired_mask,
     register_advantage,
 )
 
-__all__ = ["Groups", "make_groups", "groups_from_slots", "compute_advantages", "gae", "masked_whiten"]
+__all__ = ["Groups", "make_groups", "groups_from_slots", "compute_advantages"]
 
 GROUP_EPS = 1e-6  # docs/algorithms.md: std_g + 1e-6
-WHITEN_EPS = 1e-8  # docs/algorithms.md: reinforce_pp / gae whitening
+WHITEN_EPS = 1e-8  # docs/algorithms.md: reinforce_pp whitening
 
 
 @dataclass(frozen=True)
@@ -177,10 +175,6 @@ def _prep_rewards(rewards: Any) -> Tensor:
 def compute_advantages(name: str, rewards: Tensor, group_ids: Tensor, **params: Any) -> Tensor:
     """Per-sequence advantages [N] from outcome rewards [N] and group ids [N] with estimator `name`."""
     spec = get_advantage_spec(name)
-    if spec.token_level:
-        raise AlgorithmError(
-            f"advantage {name!r} needs token rewards and values; call mmrl.algos.gae(...) instead"
-        )
     bad = sorted(set(params) - set(spec.params))
     if bad:
         raise AlgorithmError(
@@ -292,67 +286,3 @@ def mapo_advantage(
     p = groups.gather(groups.mean((rewards >= success_threshold).to(rewards.dtype)))
     lam = 1.0 - 4.0 * p * (1.0 - p)  # trajectory certainty: 1 when all succeed or all fail
     return (1.0 - lam) * z + lam * apd
-
-
-# ---------------------------------------------------------------------------------------------
-# GAE (token level)
-# ---------------------------------------------------------------------------------------------
-
-
-def masked_whiten(x: Tensor, mask: Tensor, eps: float = WHITEN_EPS) -> Tensor:
-    """(x - mean) / sqrt(var + eps) over masked entries (unbiased var); 0 elsewhere."""
-    xm = torch.where(mask, x, torch.zeros_like(x))
-    n = mask.sum().to(x.dtype)
-    mean = xm.sum() / n.clamp_min(1)
-    var = torch.where(mask, (x - mean).square(), torch.zeros_like(x)).sum() / (n - 1).clamp_min(1)
-    return torch.where(mask, (x - mean) * torch.rsqrt(var + eps), torch.zeros_like(x))
-
-
-def _gae_stub(*_: Any, **__: Any) -> Tensor:  # pragma: no cover - never called
-    """GAE over masked tokens with a value head; returns (whitened advantages, returns)."""
-    raise AlgorithmError("call mmrl.algos.gae(...)")
-
-
-register_advantage("gae", citation="1707.06347, 1506.02438", token_level=True)(_gae_stub)
-
-
-def gae(
-    token_rewards: Tensor,
-    values: Tensor,
-    mask: Tensor,
-    gamma: float,
-    lam: float,
-    *,
-    whiten: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over masked positions only.
-
-    Unmasked positions are skipped as if absent (their reward and value are ignored; V = 0 after
-    the last masked position). Returns `(advantages, returns)`, both [N,T] and 0 at unmasked
-    positions; `returns = A + V` before whitening; advantages are then whitened over masked tokens
-    (unless `whiten=False`).
-    """
-    if token_rewards.dim() != 2:
-        raise AlgorithmError(f"token_rewards must be [N,T], got shape {tuple(token_rewards.shape)}")
-    m = paired_mask("token_rewards", token_rewards, "values", values, mask)
-    with torch.no_grad():
-        dtype = torch.promote_types(token_rewards.dtype, torch.float32)
-        zero = torch.zeros((), dtype=dtype, device=token_rewards.device)
-        r = torch.where(m, token_rewards.to(dtype), zero)
-        v = torch.where(m, values.detach().to(dtype), zero)
-        n, t_len = r.shape
-        adv = torch.zeros_like(r)
-        next_v = torch.zeros(n, dtype=dtype, device=r.device)
-        carry = torch.zeros(n, dtype=dtype, device=r.device)
-        for t in range(t_len - 1, -1, -1):
-            mt = m[:, t]
-            delta = r[:, t] + gamma * next_v - v[:, t]
-            cur = delta + gamma * lam * carry
-            adv[:, t] = torch.where(mt, cur, zero)
-            # An unmasked step is absent: the recursion jumps over it unchanged.
-            carry = torch.where(mt, cur, carry)
-            next_v = torch.where(mt, v[:, t], next_v)
-        returns = torch.where(m, adv + v, zero)
-        if whiten:
-            adv = masked_whiten(adv, m)
-    return adv, returns

@@ -1,4 +1,4 @@
-"""KL-to-reference estimators and the entropy helper (docs/algorithms.md, "Terms added to the loss").
+"""KL-to-reference estimators (docs/algorithms.md, "KL and entropy").
 
 With d = ref_logp - logp (samples from the current policy):
 k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1 (unbiased and always >= 0), abs = |d|.
@@ -16,7 +16,7 @@ from torch import Tensor
 from .losses import LOG_RATIO_CLAMP
 from .registry import AlgorithmError, as_bool_mask, get_kl_spec, register_kl
 
-__all__ = ["GAUSSIAN_KL", "kl_penalty", "entropy_from_logits"]
+__all__ = ["GAUSSIAN_KL", "kl_penalty"]
 
 
 @register_kl("k1", citation="Schulman 2020, http://joschu.net/blog/kl-approx.html")
@@ -75,14 +75,3 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str, mask: Tensor | None = 
         zero = torch.zeros((), dtype=d.dtype, device=d.device)
         d = torch.where(m, ref_logp.detach(), zero) - torch.where(m, logp, zero)
     return spec.fn(d)
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy over the last dim, H = -sum p * log p with log p = log_softmax (max-shifted
-    logsumexp, so no cancellation for large logits); -inf logits allowed."""
-    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    logp = torch.log_softmax(z, dim=-1)
-    p = logp.exp()  # exactly 0 where the logit is -inf
-    # Zero log p there *before* the product so neither the value nor the gradient sees 0 * -inf.
-    logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
-    return -(p * logp).sum(dim=-1)

@@ -1,5 +1,6 @@
-"""KVPO (arXiv 2605.14278): KV-cache history routing, Trajectory Velocity Energy, anchor-relative
-advantages and the clipped branch-softmax objective, as small pure tensor functions.
+"""KVPO (arXiv 2605.14278): KV-cache history routing, Trajectory Velocity Energy, the branch
+softmax and anchor-relative advantages, as small pure tensor functions. The objective is the
+registry's clipped loss on the branch log-probs (configs/video_kvpo.yaml).
 
 Spec, defaults and sources: docs/kvpo.md. Layout: one *group* = one prompt + one shared initial
 noise, holding G routed branches and one anchor (unperturbed) row; rows of a group share a
@@ -21,7 +22,6 @@ from .registry import AlgorithmError, check_finite, register_advantage
 
 __all__ = [
     "sample_history_routes",
-    "routes_to_mask",
     "tve_step_weights",
     "first_steps_mask",
     "trajectory_velocity_energy",
@@ -29,21 +29,12 @@ __all__ = [
     "anchor_relative_advantages",
     "fuse_signal_advantages",
     "anchor_advantages",
-    "protect_scale",
-    "discrete_kl",
-    "try_kl_penalty",
-    "kvpo_loss",
     "SIGMA_EPS",
     "FUSION_MODES",
-    "KL_MODES",
-    "PROTECT_MODES",
 ]
 
 SIGMA_EPS = 1e-8  # (r - r_anchor) / (std + 1e-8) and fusion std + 1e-8 (T _anchor_advantage, _normalize_...)
-LOG_RATIO_CLAMP = 20.0  # log-ratio clamped to +-20 before exp (T _compute_policy_objective_from_logits)
 FUSION_MODES = ("none", "std", "zscore")
-KL_MODES = ("discrete_kl", "try_kl", "none")
-PROTECT_MODES = ("mechanism_1", "mechanism_2", "none")
 DEFAULT_SIGNAL_WEIGHTS = {"local": 1.0, "global": 0.5}  # advantage_fusion_{local,global}_weight
 
 
@@ -118,16 +109,6 @@ def sample_history_routes(
     return torch.cat([anchor[None], branches], dim=0)
 
 
-def routes_to_mask(routes: Tensor, num_past_chunks: int) -> Tensor:
-    """bool [R, T]: mask[r, j] = history entry j is in route r."""
-    if routes.dim() != 2:
-        raise AlgorithmError(f"routes must be 2-D [R, K], got shape {tuple(routes.shape)}")
-    if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= num_past_chunks):
-        raise AlgorithmError(f"routes hold entries outside [0, {num_past_chunks})")
-    mask = torch.zeros(routes.shape[0], num_past_chunks, dtype=torch.bool, device=routes.device)
-    return mask.scatter_(1, routes.long(), True)
-
-
 # ---------------------------------------------------------------------------------------------
 # 2. Trajectory Velocity Energy and the branch policy
 # ---------------------------------------------------------------------------------------------
@@ -176,9 +157,8 @@ def trajectory_velocity_energy(
     step_weights: Tensor | None = None,
     grad_mask: Tensor | None = None,
     valid: Tensor | None = None,
-    reduce: str = "sum",
 ) -> Tensor:
-    """TVE [N] = sum_s w_s * mean_elements (v_replay - sg(v_branch))^2 ("mean": divided by sum_s w_s).
+    """TVE [N] = sum_s w_s * mean_elements (v_replay - sg(v_branch))^2.
 
     `v_branch` [N, S, ...]: the velocities the branch trajectory used (routed context, old policy);
     `v_replay` [N, S, ...]: the policy's velocities at the same states in the unperturbed context.
@@ -191,8 +171,6 @@ def trajectory_velocity_energy(
         )
     if v_replay.dim() < 2:
         raise AlgorithmError(f"velocities must be [N, S, ...], got shape {tuple(v_replay.shape)}")
-    if reduce not in ("sum", "mean"):
-        raise AlgorithmError(f"reduce must be 'sum' or 'mean', got {reduce!r}")
     N, S = v_replay.shape[:2]
     dev = v_replay.device
     dtype = torch.promote_types(v_replay.dtype, torch.float32)
@@ -210,10 +188,7 @@ def trajectory_velocity_energy(
         ok = ok if ok.dtype == torch.bool else ok != 0
         w = torch.where(ok, w, torch.zeros((), dtype=dtype, device=dev))
         energy = torch.where(ok, energy, torch.zeros((), dtype=dtype, device=dev))
-    tve = (w * energy).sum(dim=1)
-    if reduce == "mean":
-        tve = tve / w.sum(dim=1).clamp_min(torch.finfo(dtype).tiny)
-    return tve
+    return (w * energy).sum(dim=1)
 
 
 def _rows(name: str, x: Any, n: int, device: torch.device | None = None) -> Tensor:
@@ -364,25 +339,12 @@ def fuse_signal_advantages(
     return torch.where(anchor, torch.zeros_like(fused), fused)
 
 
-def _aggregate(components: Mapping[str, Tensor], weights: Mapping[str, float] | None, n: int, dev: Any) -> Tensor:
-    """Raw weighted reward sum_c w_c r_c [N]."""
-    total: Tensor | None = None
-    for name, raw in components.items():
-        part = _reward(name, raw, n, dev) * float((weights or {}).get(name, 1.0))
-        total = part if total is None else total + part
-    if total is None:
-        raise AlgorithmError("a signal must name at least one reward component")
-    return total
-
-
-def _signal_len(rewards_by_signal: Mapping[str, Mapping[str, Tensor]]) -> tuple[int, Any]:
+def _check_signals(rewards_by_signal: Mapping[str, Mapping[str, Tensor]]) -> None:
     if not rewards_by_signal:
         raise AlgorithmError("rewards_by_signal must name at least one signal ('local' / 'global')")
     for comps in rewards_by_signal.values():
         if not isinstance(comps, Mapping) or not comps:
             raise AlgorithmError("each signal maps component name -> reward tensor [N]")
-    first = next(iter(rewards_by_signal.values()))
-    return len(next(iter(first.values()))), _first_device(first)
 
 
 def anchor_advantages(
@@ -393,177 +355,17 @@ def anchor_advantages(
     signal_weights: Mapping[str, float] | None = None,
     fusion: str = "std",
     adv_clip: float = 2.5,
-    raw_weighted: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """KVPO advantages [N] and the per-signal anchor-relative ones: {signal: {component: r [N]}} -> fuse -> clip.
-
-    raw_weighted (use_raw_weighted_reward_advantage): one anchor-relative advantage of the
-    aggregate sum_c w_c r_c per signal instead of the weighted sum of per-component ones.
-    """
-    n, dev = _signal_len(rewards_by_signal)
-    per_signal: dict[str, Tensor] = {}
-    for sig, comps in rewards_by_signal.items():
-        if raw_weighted:
-            agg = _aggregate(comps, component_weights, n, dev)
-            per_signal[sig] = anchor_relative_advantages({"aggregate": agg}, is_anchor, group_ids)
-        else:
-            per_signal[sig] = anchor_relative_advantages(comps, is_anchor, group_ids, component_weights)
+    """KVPO advantages [N] and the per-signal anchor-relative ones: {signal: {component: r [N]}} -> fuse -> clip."""
+    _check_signals(rewards_by_signal)
+    per_signal = {sig: anchor_relative_advantages(comps, is_anchor, group_ids, component_weights)
+                  for sig, comps in rewards_by_signal.items()}
     fused = fuse_signal_advantages(per_signal, is_anchor, group_ids, signal_weights, fusion, adv_clip)
     return fused, per_signal
 
 
-def protect_scale(
-    rewards_by_signal: Mapping[str, Mapping[str, Tensor]],
-    is_anchor: Any,
-    group_ids: Any,
-    component_weights: Mapping[str, float] | None = None,
-    mode: str = "mechanism_2",
-) -> Tensor:
-    """Per-row scale of its group's loss: 1 if some branch's raw sum_c w_c r_c beats the anchor's on
-    any signal (safe), else 0 (mechanism_1) or 1/2 (mechanism_2: the code's 1 - π_anchor)."""
-    if mode not in PROTECT_MODES:
-        raise AlgorithmError(f"unknown protect mode {mode!r}; valid: {', '.join(PROTECT_MODES)}")
-    n, dev = _signal_len(rewards_by_signal)
-    groups, anchor = _groups_with_one_anchor(group_ids, is_anchor, n, dev or torch.device("cpu"))
-    safe = torch.zeros(groups.num_groups, dtype=torch.bool, device=anchor.device)
-    for comps in rewards_by_signal.values():
-        agg = _aggregate(comps, component_weights, n, dev)
-        r_anchor = groups.gather(groups.sum(torch.where(anchor, agg, torch.zeros_like(agg))))
-        beats = (~anchor) & (agg > r_anchor)
-        safe = safe | (groups.sum(beats.long()) > 0)
-    unsafe_scale = {"mechanism_1": 0.0, "mechanism_2": 0.5, "none": 1.0}[mode]
-    per_group = torch.where(safe, 1.0, unsafe_scale).to(torch.float32)
-    return groups.gather(per_group)
-
-
 # ---------------------------------------------------------------------------------------------
-# 4. Objective
-# ---------------------------------------------------------------------------------------------
-
-
-def discrete_kl(logp: Tensor, logp_ref: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Per-row π(g) (log π(g) - log π_ref(g)) [N] (0 off `mask`); a group's sum is KL(π || π_ref)."""
-    if logp.shape != logp_ref.shape or logp.dim() != 1:
-        raise AlgorithmError(f"logp {tuple(logp.shape)} and logp_ref {tuple(logp_ref.shape)} must be [N]")
-    n = logp.shape[0]
-    keep = torch.ones_like(logp, dtype=torch.bool) if mask is None else _rows("mask", mask, n, logp.device) != 0
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    lp = torch.where(keep, logp, zero)
-    lr = torch.where(keep, logp_ref.detach().to(logp.dtype), zero)
-    return torch.where(keep, lp.exp() * (lp - lr), zero)
-
-
-def try_kl_penalty(
-    pred: Tensor,
-    pred_ref: Tensor,
-    grad_mask: Tensor | None = None,
-    rows: Tensor | None = None,
-) -> Tensor:
-    """try_kl [N]: mean over steps s of mean_elements (pred - sg(pred_ref))^2; [N, S, ...] predictions
-    of the current / reference policy each on its own path from the anchor noise; 0 off `rows`."""
-    if pred.shape != pred_ref.shape or pred.dim() < 2:
-        raise AlgorithmError(
-            f"pred {tuple(pred.shape)} and pred_ref {tuple(pred_ref.shape)} must be equal [N, S, ...]"
-        )
-    mse = trajectory_velocity_energy(pred_ref, pred, grad_mask=grad_mask, reduce="mean")
-    if rows is None:
-        return mse
-    keep = _rows("rows", rows, pred.shape[0], pred.device) != 0
-    return torch.where(keep, mse, torch.zeros_like(mse))
-
-
-def kvpo_loss(
-    logp: Tensor,
-    logp_old: Tensor,
-    advantages: Tensor,
-    group_ids: Any,
-    mask: Tensor | None = None,
-    *,
-    clip_low: float = 0.1,
-    clip_high: float = 0.2,
-    kl_mode: str = "discrete_kl",
-    kl_coef: float = 10.0,
-    logp_ref: Tensor | None = None,
-    kl_rows: Tensor | None = None,
-    row_scale: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """loss = mean over groups k of s_k [ -1/|B_k| sum_{g in B_k} min(ρ A, clip(ρ, 1-low, 1+high) A) + β KL_k ].
-
-    ρ = exp(clamp(logp - logp_old, ±20)) with logp the branch log-softmax (`branch_logprobs`);
-    `mask` = branch rows B (default all; pass ~is_anchor). KL_k: discrete_kl of π vs π_ref
-    (`logp_ref`, default `logp_old`), or `kl_rows` [N] summed over the group (try_kl; put the
-    anchor replay's value on the anchor row). `row_scale` [N]: the group's protect scale s_k.
-    Metrics are detached 0-dim tensors; `skip_update` = 1 if every group's scale is 0.
-    """
-    if kl_mode not in KL_MODES:
-        raise AlgorithmError(f"unknown kl_mode {kl_mode!r}; valid: {', '.join(KL_MODES)}")
-    if not 0 <= clip_low < 1 or not clip_high >= 0:
-        raise AlgorithmError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-    if logp.dim() != 1:
-        raise AlgorithmError(f"logp must be 1-D [N], got shape {tuple(logp.shape)}")
-    n, dev = logp.shape[0], logp.device
-    dtype = torch.promote_types(logp.dtype, torch.float32)
-    keep = torch.ones(n, dtype=torch.bool, device=dev) if mask is None else _rows("mask", mask, n, dev) != 0
-    old = _rows("logp_old", logp_old, n, dev)
-    adv = _rows("advantages", advantages, n, dev)
-    for name, t in (("logp", logp), ("logp_old", old), ("advantages", adv)):
-        check_finite(name, t, keep)
-    groups = make_groups(group_ids, n, device=dev)
-    zero = torch.zeros((), dtype=dtype, device=dev)
-
-    lp = torch.where(keep, logp.to(dtype), zero)
-    lo = torch.where(keep, old.detach().to(dtype), zero)
-    a = torch.where(keep, adv.detach().to(dtype), zero)
-    log_ratio = (lp - lo).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    surrogate = torch.minimum(ratio * a, clipped * a)
-    count = groups.sum(keep.to(dtype))  # |B_k|
-    pg_rows = torch.where(keep, -surrogate / groups.gather(count).clamp_min(1), zero)
-
-    kl = torch.zeros(n, dtype=dtype, device=dev)
-    if kl_mode == "discrete_kl" and kl_coef != 0:
-        ref = old if logp_ref is None else _rows("logp_ref", logp_ref, n, dev)
-        check_finite("logp_ref", ref, keep)
-        kl = discrete_kl(lp, ref.to(dtype), keep)
-    elif kl_mode == "try_kl" and kl_coef != 0:
-        if kl_rows is None:
-            raise AlgorithmError("kl_mode 'try_kl' needs kl_rows [N] (try_kl_penalty on the anchor rows)")
-        kl = _rows("kl_rows", kl_rows, n, dev).to(dtype)
-        check_finite("kl_rows", kl)
-
-    scale = torch.ones(n, dtype=dtype, device=dev) if row_scale is None else _rows("row_scale", row_scale, n, dev)
-    scale = scale.detach().to(dtype)
-    per_group = groups.sum(scale * (pg_rows + kl_coef * kl))
-    active = count > 0
-    n_active = active.sum().clamp_min(1).to(dtype)
-    loss = torch.where(active, per_group, zero).sum() / n_active
-
-    with torch.no_grad():
-        def group_mean(rows: Tensor) -> Tensor:
-            return torch.where(active, groups.sum(rows), zero).sum() / n_active
-
-        kf = keep.to(dtype)
-        n_keep = kf.sum().clamp_min(1)
-        p = torch.where(keep, lp.exp(), zero)
-        ent = torch.where(keep, -p * lp, zero)
-        group_scale = groups.amax(torch.where(keep, scale, torch.full((), float("-inf"), dtype=dtype, device=dev)))
-        metrics = {
-            "pg_loss": group_mean(pg_rows),
-            "kl": group_mean(kl),
-            "entropy": group_mean(ent),
-            "clip_frac": (((ratio - clipped).abs() > 1e-6).to(dtype) * kf).sum() / n_keep,
-            "ratio_mean": (ratio * kf).sum() / n_keep,
-            "ratio_min": torch.where(keep, ratio, torch.full_like(ratio, float("inf"))).min(),
-            "ratio_max": torch.where(keep, ratio, torch.full_like(ratio, float("-inf"))).max(),
-            "scale_mean": torch.where(active, group_scale, zero).sum() / n_active,
-            "skip_update": (~(torch.where(active, group_scale, zero) > 0).any()).to(dtype),
-        }
-    return loss, {k: v.detach() for k, v in metrics.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# 5. The registry's view: KVPO's advantages as an estimator every loss can use
+# 4. The registry's view: KVPO's advantages as an estimator every loss can use
 # ---------------------------------------------------------------------------------------------
 
 

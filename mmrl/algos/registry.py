@@ -78,15 +78,13 @@ class AdvantageSpec:
 
     `fn(rewards, groups, **params) -> Tensor[N]` with `rewards` float [N] and `groups` a
     `mmrl.algos.advantages.Groups` (vectorised per-group sum/mean/std/max helpers). `params` are the
-    keyword-only arguments of `fn`; anything else is rejected. `token_level` estimators (gae) are
-    listed but are called through their own function.
+    keyword-only arguments of `fn`; anything else is rejected.
     """
 
     name: str
     fn: Callable[..., Any] | None
     citation: str
     description: str = ""
-    token_level: bool = False
     params: tuple[str, ...] = field(default=())
 
 
@@ -158,26 +156,23 @@ def register_loss(
 
 
 def register_advantage(
-    name: str, *, citation: str, description: str | None = None, token_level: bool = False
+    name: str, *, citation: str, description: str | None = None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: make `fn(rewards, groups, **params)` available as `compute_advantages(name, ...)`."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         _check_new_name(name, _ADVANTAGES, "advantage")
-        params: tuple[str, ...] = ()
-        if not token_level:
-            sig = inspect.signature(fn)
-            params = tuple(
-                p.name
-                for p in list(sig.parameters.values())[2:]
-                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-            )
+        sig = inspect.signature(fn)
+        params = tuple(
+            p.name
+            for p in list(sig.parameters.values())[2:]
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )
         _ADVANTAGES[name] = AdvantageSpec(
             name=name,
             fn=fn,
             citation=citation,
             description=description if description is not None else _first_doc_line(fn),
-            token_level=token_level,
             params=params,
         )
         return fn

@@ -1,0 +1,203 @@
+"""The import contract (issue 32, "One-way domains"): each module imports only its own layer and the
+layers below it, counting every import, at module level or inside a function, method or
+`if TYPE_CHECKING:` block. The sources are parsed with `ast`, never imported.
+
+Layers, lowest first (a module belongs to the layer of its longest matching prefix in `LAYERS`):
+
+    0 core      mmrl.algos, mmrl.rollout, mmrl.flow, mmrl.distributed, mmrl.logger, mmrl.hub, mmrl.tiny,
+                mmrl.checkpoint, mmrl.config, mmrl.loss_terms, mmrl.prompt_replay
+    1 policies  mmrl.policies.*
+    2 rewards   mmrl.rewards.*
+    3 envs      mmrl.envs.*  (the tasks)
+    4 trainer   mmrl.trainer
+    5 evals     mmrl.evals.*
+    6 cli       mmrl (the package: load_config / build / train), mmrl.cli, mmrl.plan
+
+Why: config and checkpoint are imported at module level by rollout, policies, rewards, envs and evals,
+so they sit in core; only `config.validate`'s registry checks reach upward (allowlisted below).
+The trainer sits above the tasks because it is handed a task and never imports one, while a task
+must not build a trainer.
+
+Reading a failure: each line is
+
+    mmrl.policies.base:123 imports mmrl.envs (policies may import only: core, policies)
+
+i.e. file mmrl/policies/base.py, line 123, imports a higher layer. Move the imported code down to a
+layer the importer may use (or the importing code up), or pass the object in from the caller.
+`KNOWN_VIOLATIONS` lists today's upward imports, each with what removes it. It only shrinks: a pair
+that no longer occurs fails `test_known_violations_still_exist` until it is deleted from the list.
+A new module must match a prefix in `LAYERS` (`test_every_module_has_a_layer`).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Source folder -> the package it installs as (pyproject's package-dir).
+ROOTS = {"mmrl": "mmrl", "envs": "mmrl.envs", "evals": "mmrl.evals"}
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("core", ("mmrl.algos", "mmrl.rollout", "mmrl.flow", "mmrl.distributed", "mmrl.logger", "mmrl.hub",
+              "mmrl.tiny", "mmrl.checkpoint", "mmrl.config", "mmrl.loss_terms", "mmrl.prompt_replay")),
+    ("policies", ("mmrl.policies",)),
+    ("rewards", ("mmrl.rewards",)),
+    ("envs", ("mmrl.envs",)),
+    ("trainer", ("mmrl.trainer",)),
+    ("evals", ("mmrl.evals",)),
+    ("cli", ("mmrl", "mmrl.cli", "mmrl.plan")),
+]
+
+# (importer, imported) pairs that go upward today; each comment says what removes it.
+KNOWN_VIOLATIONS: set[tuple[str, str]] = {
+    # config.validate checks names against the registries: move those checks to a layer above the
+    # registries (the cli's config loading), keeping config's own field checks in core.
+    ("mmrl.config", "mmrl.envs"),
+    ("mmrl.config", "mmrl.policies"),
+    ("mmrl.config", "mmrl.rewards"),
+    # The VLA policies run their own episodes: move the episode loop (envs/episodes.py) below the
+    # policies (e.g. into mmrl.rollout) with the env factories injected by the task.
+    ("mmrl.policies.vla.lerobot_policy", "mmrl.envs.episodes"),
+    ("mmrl.policies.vla.modeling_action_tokens", "mmrl.envs.episodes"),
+    ("mmrl.policies.vla.modeling_diffusion", "mmrl.envs.episodes"),
+    ("mmrl.policies.vla.modeling_smolvla", "mmrl.envs.episodes"),
+    ("mmrl.policies.vla.processor", "mmrl.envs.episodes"),
+    # The VPRL policies parse frames and simulate plans with the planning domain's code: the task
+    # should hand the policy those functions (or the parsed steps).
+    ("mmrl.policies.visual_planner.modeling", "mmrl.envs.planning.render"),
+    ("mmrl.policies.visual_planner.modeling", "mmrl.rewards.planning"),
+    ("mmrl.policies.vprl_text", "mmrl.rewards.planning_text"),
+    # Rewards import env internals (the grid simulator, frame parser, clip specs, scene queries):
+    # move that domain core below the rewards, or have the task pass it to the reward.
+    ("mmrl.rewards.captioning.judges", "mmrl.envs.captioning.scenes"),
+    ("mmrl.rewards.planning", "mmrl.envs.planning.grid"),
+    ("mmrl.rewards.planning", "mmrl.envs.planning.render"),
+    ("mmrl.rewards.planning_text", "mmrl.envs.planning.grid"),
+    ("mmrl.rewards.video", "mmrl.envs.video.clips"),
+    # TaskBase.evaluate_checkpoint builds a Trainer: `mmrl eval` (evals / cli) should run the
+    # trainer's evaluation itself.
+    ("mmrl.envs.base", "mmrl.trainer"),
+    # Tasks call their evaluation reports (robot_task <-> vla_eval and the like): the evals should
+    # dispatch on the task, not the task on the evals.
+    ("mmrl.envs.captioning.task", "mmrl.evals.caption_eval"),
+    ("mmrl.envs.planning.task", "mmrl.evals.planning_eval"),
+    ("mmrl.envs.robot_task", "mmrl.evals.vla_eval"),
+    ("mmrl.envs.video.task", "mmrl.evals.video_eval"),
+    ("mmrl.envs.vqa.task", "mmrl.evals.vqa_eval"),
+    # Evaluations build (task, policy) with the top-level `mmrl.build`: take them from the caller,
+    # or move `build` to a module below the evals.
+    ("mmrl.evals.caption_eval", "mmrl"),
+    ("mmrl.evals.planning_eval", "mmrl"),
+    ("mmrl.evals.vla_eval", "mmrl"),
+    ("mmrl.evals.vqa_benchmark", "mmrl"),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # module name
+    imported: str  # the deepest module the statement names (a package when it imports a name from it)
+    line: int
+
+
+def module_name(rel: Path) -> str:
+    """envs/vqa/task.py -> mmrl.envs.vqa.task; mmrl/__init__.py -> mmrl."""
+    parts = list(rel.with_suffix("").parts)
+    parts[0] = ROOTS[parts[0]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources(overrides: dict[Path, str] | None = None) -> dict[Path, str]:
+    """{path relative to the repo: source} of every module, with `overrides` replacing or adding files."""
+    found = {p.relative_to(REPO): p.read_text() for root in ROOTS for p in sorted((REPO / root).rglob("*.py"))}
+    return found | (overrides or {})
+
+
+def import_graph(overrides: dict[Path, str] | None = None) -> list[Import]:
+    """Every import of an mmrl module in the tree (module level and inside functions alike)."""
+    srcs = sources(overrides)
+    modules = {module_name(rel) for rel in srcs}
+    out = []
+    for rel, text in srcs.items():
+        name = module_name(rel)
+        package = name if rel.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(text, filename=str(rel))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: strip level - 1 trailing parts off the package
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                # `from pkg import sub` names the submodule when there is one, else a name in pkg.
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+            else:
+                continue
+            out += [Import(name, t, node.lineno) for t in sorted(set(targets)) if t == "mmrl" or t.startswith("mmrl.")]
+    return out
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest prefix matching `module` ("mmrl" matches only itself)."""
+    matches = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or (prefix != "mmrl" and module.startswith(prefix + "."))]
+    if not matches:
+        raise ValueError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+    return max(matches)[1]
+
+
+def upward(imports: list[Import]) -> list[Import]:
+    """The imports whose target sits in a higher layer than their importer."""
+    return [i for i in imports if layer_of(i.imported) > layer_of(i.importer)]
+
+
+def describe(i: Import) -> str:
+    layer = layer_of(i.importer)
+    allowed = ", ".join(LAYERS[k][0] for k in range(layer + 1))
+    return f"{i.importer}:{i.line} imports {i.imported} ({LAYERS[layer][0]} may import only: {allowed})"
+
+
+def test_every_module_has_a_layer():
+    unplaced = []
+    for name in sorted(map(module_name, sources())):
+        try:
+            layer_of(name)
+        except ValueError:
+            unplaced.append(name)
+    assert not unplaced, f"add these modules to LAYERS: {unplaced}"
+
+
+def test_no_new_upward_imports():
+    new = [describe(i) for i in upward(import_graph()) if (i.importer, i.imported) not in KNOWN_VIOLATIONS]
+    assert not new, "imports against the layer contract (see this test's docstring):\n" + "\n".join(new)
+
+
+def test_known_violations_still_exist():
+    current = {(i.importer, i.imported) for i in upward(import_graph())}
+    gone = sorted(KNOWN_VIOLATIONS - current)
+    assert not gone, f"fixed, so delete from KNOWN_VIOLATIONS: {gone}"
+
+
+def test_an_added_upward_import_inside_a_function_fails():
+    rel = Path("mmrl/policies/base.py")
+    text = (REPO / rel).read_text()
+    probe = "\n\ndef _probe():\n    from mmrl.envs import make_task\n    return make_task\n"
+    line = text.count("\n") + 4  # the `from` line of the probe
+    bad = [i for i in upward(import_graph({rel: text + probe}))
+           if i.importer == "mmrl.policies.base" and (i.importer, i.imported) not in KNOWN_VIOLATIONS]
+    assert [describe(i) for i in bad] == [
+        f"mmrl.policies.base:{line} imports mmrl.envs (policies may import only: core, policies)"]
+
+
+def test_relative_imports_resolve_to_their_package():
+    rel = Path("envs/vqa/task.py")
+    probe = "from .records import load_records\nfrom ...evals import report\n"
+    found = {(i.imported, i.line) for i in import_graph({rel: probe}) if i.importer == "mmrl.envs.vqa.task"}
+    assert found == {("mmrl.envs.vqa.records", 1), ("mmrl.evals.report", 2)}
+    assert [describe(i) for i in upward(import_graph({rel: probe})) if i.importer == "mmrl.envs.vqa.task"] == [
+        "mmrl.envs.vqa.task:2 imports mmrl.evals.report (envs may import only: core, policies, rewards, envs)"]
