@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     from mmrl.config import load_config
     from mmrl.policies import build_policy
     from mmrl.tiny import build_tiny_qwen2
-    from mmrl.trainer import Trainer, resolve_device
+    from mmrl.distributed import resolve_device
+    from mmrl.trainer import Trainer
 
     device = "cpu" if a.smoke else "auto"
     dtype = a.dtype or ("float32" if a.smoke else "bfloat16")

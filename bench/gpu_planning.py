@@ -38,7 +38,8 @@ def run_env(env: str, args) -> dict:
     from mmrl.config import load_config
     from mmrl.envs import make_task
     from mmrl.policies import build_policy
-    from mmrl.trainer import Trainer, resolve_device
+    from mmrl.distributed import resolve_device
+    from mmrl.trainer import Trainer
 
     sizes = [3, 4] if args.smoke else [3, 4, 5, 6]
     overrides = [
@@ -66,7 +67,7 @@ def run_env(env: str, args) -> dict:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    opt = torch.optim.AdamW(trainer.params, lr=cfg.sft.lr)
+    opt = torch.optim.AdamW(trainer.updater.params, lr=cfg.sft.lr)
     sft_steps, sft_tokens, t0 = 0, 0, time.perf_counter()
     while (sft_steps < args.max_sft_steps) and (time.perf_counter() < sft_deadline or sft_steps == 0):
         batch = task.sft_batch(cfg.sft.batch_size, rng)

@@ -6,7 +6,7 @@ the tokenizer is trained locally (ids past it are suppressed, as for any padded 
 the inputs are synthetic VQA records (`mmrl.envs.vqa.synthetic.generate`) at 448 px: 256 LM image
 tokens each, in `configs/vqa_grpo.yaml`'s prompt. Each timed step, through mmrl's own code paths:
 
-* rollout: `Trainer.sample` (the `qwen_vl` policy's sampler: one prefill per prompt, its KV cache
+* rollout: `Collector.sample` (the `qwen_vl` policy's sampler: one prefill per prompt, its KV cache
   repeated for the G samples), G samples per prompt, every one forced to the full `--max-new-tokens`
   (EOS suppressed); `rollout_tokens_per_s` = generated tokens / sampling time.
 * update: `Trainer.score` + `Trainer.update` (teacher-forced log-probs with the images, GRPO loss,
@@ -136,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         batch = contexts[i * a.prompts:(i + 1) * a.prompts]
         sync()
         t0 = time.perf_counter()
-        rollout = trainer.sample(batch, a.group, gen, first_group=i * a.prompts)
+        rollout = trainer.collector.sample(batch, a.group, gen, first_group=i * a.prompts)
         sync()
         t1 = time.perf_counter()
-        trainer.score(rollout)
+        trainer.collector.score(rollout)
         metrics = trainer.update(rollout)
         sync()
         t2 = time.perf_counter()

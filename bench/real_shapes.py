@@ -13,7 +13,7 @@ adds their full weights analytically.
 Memory per phase. Each setting runs in its own child process, started with
 `MALLOC_MMAP_THRESHOLD_=65536` (so every tensor buffer is an mmap that goes back to the OS when freed:
 RSS follows the live bytes instead of glibc's cached heap). The child wraps `Trainer.collect`
-(phase `sampling`: sampling + rewards), `Trainer.in_micro_batches` (phase `old_ref`: the no-grad
+(phase `sampling`: sampling + rewards), `Updater.in_micro_batches` (phase `old_ref`: the no-grad
 passes of the update, the reference log-probs and, with `train.recompute_old_logp`, the old ones)
 and `Trainer.update` (phase `update`: the rest of the update, forward + backward per micro-batch and
 the AdamW step). At every phase boundary it reads the kernel's RSS high-water mark (`VmHWM` in
@@ -214,7 +214,7 @@ def run_setting(model: str, layers: int, size: str, width: str) -> dict:
         policy.suppress_token_ids = sorted(set(policy.suppress_token_ids) | set(policy.eos_token_ids))
     trainer = Trainer(cfg, policy, task)
     steady_state(trainer)
-    make_resident(policy, *(reward for _, _, reward in trainer.rewards))
+    make_resident(policy, *(reward for _, _, reward in trainer.collector.rewards))
     build_s = time.perf_counter() - t0
     meter = PhaseMeter()
     seen = {"micro": 0, "sampling": 0, "prompt_tokens": 0}
@@ -235,15 +235,15 @@ def run_setting(model: str, layers: int, size: str, width: str) -> dict:
         return rollout, stats
 
     trainer.collect = counted_collect
-    backward_micro = trainer.backward_micro
+    backward_micro = trainer.updater.backward_micro
 
     def counted_backward(part, *args):
         seen["micro"] = max(seen["micro"], len(part) * row_size(part))
         return backward_micro(part, *args)
 
-    trainer.backward_micro = counted_backward
+    trainer.updater.backward_micro = counted_backward
     meter.wrap(trainer, "collect", "sampling")
-    meter.wrap(trainer, "in_micro_batches", "old_ref")
+    meter.wrap(trainer.updater, "in_micro_batches", "old_ref")
     meter.wrap(trainer, "update", "update")
     gc.collect()
     static = rss_mib()
@@ -253,7 +253,7 @@ def run_setting(model: str, layers: int, size: str, width: str) -> dict:
     step_s = time.perf_counter() - t1
     meter._flush()
     n_params = sum(p.numel() for p in policy.model.parameters())
-    n_train = sum(p.numel() for p in trainer.params)
+    n_train = sum(p.numel() for p in trainer.updater.params)
     n_ref = sum(p.numel() for p in policy.reference.parameters()) if getattr(policy, "reference", None) is not None else 0
     phases = {k: round(meter.peak.get(k, static) - libs, 1) for k in PHASES}
     shutil.rmtree(work, ignore_errors=True)  # the saved model (GBs at real width)
@@ -291,7 +291,7 @@ def steady_state(trainer) -> None:
     optimizer step at lr 0: the weights do not move)."""
     import torch
 
-    for p in trainer.params:
+    for p in trainer.updater.params:
         p.grad = torch.zeros_like(p)
     lrs = [g["lr"] for g in trainer.optimizer.param_groups]
     for g in trainer.optimizer.param_groups:

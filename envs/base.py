@@ -2,13 +2,12 @@
 
 A task is a prompt source (`next_batch`, `eval_batch`, `sft_batch`, `state_dict`) registered by
 name with `register_task`. Subclass `TaskBase` and override only the hooks a domain has: a domain
-metric (`evaluate`), the metric a run's headline reports (`headline`), a before/after table
-(`summarize`), its own checkpoint report (`evaluate_checkpoint`).
+metric (`evaluate`), the metric a run's headline reports (`headline`), and the domain whose reports `mmrl train` and `mmrl eval --checkpoint` write (`REPORT`, a name of
+mmrl.evals.reports.REPORTS).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -63,6 +62,9 @@ def check_source_params(params: dict[str, Any], source_params: dict[str, tuple[s
 
 
 class TaskBase:
+    # The domain whose reports `mmrl train` and `mmrl eval --checkpoint` write (mmrl.evals.reports.REPORTS).
+    REPORT = "held_out"
+
     def next_batch(self, n: int) -> list[Any]:  # training contexts; advances the cursor
         raise NotImplementedError
 
@@ -116,11 +118,6 @@ class TaskBase:
         and report.md opens with them. Default: the mean held-out reward."""
         return headline_rows(before, after, [HELD_OUT_REWARD])
 
-    def summarize(self, results: dict[str, Any], out_dir: str, cpu_s: float | None = None) -> str:
-        """Markdown `mmrl train` prints after the headline and report.md includes (e.g. a
-        before/after table by size); none by default."""
-        return ""
-
     def load_for_eval(self, policy, checkpoint: str | Path, splits: list[str] | None = None) -> tuple[Path, dict]:
         """Load `checkpoint` (a run folder or a checkpoint in one) into `policy` for `mmrl eval`:
         (the checkpoint's run folder, its saved state). `splits` is refused: this task has one held-out set."""
@@ -130,21 +127,3 @@ class TaskBase:
             raise ValueError(f"--splits: {type(self).__name__} has one held-out set; --splits is for planning tasks")
         run_dir, ckpt = resolve_checkpoint(checkpoint)
         return Path(run_dir), load_whole_checkpoint(ckpt, policy.model)
-
-    def evaluate_checkpoint(self, cfg, policy, checkpoint: str | Path, output: str | None = None,
-                            splits: list[str] | None = None) -> Path:
-        """`mmrl eval`: the trainer's held-out evaluation of `checkpoint`, printed and written as
-        JSON (default: eval.json in the checkpoint's run folder); returns the file written."""
-        from mmrl.trainer import Trainer
-
-        run_dir, state = self.load_for_eval(policy, checkpoint, splits)
-        cfg.train.output_dir = str(run_dir)  # the evaluation belongs to the checkpoint's run
-        trainer = Trainer(cfg, policy, self)
-        trainer.step = state["step"]  # the results are labelled with the checkpoint's step
-        result = trainer.evaluate()
-        out = Path(output or Path(run_dir) / "eval.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"checkpoint": str(checkpoint), **result}, indent=2))
-        for k, v in result.items():
-            print(f"{k:>24}: {v:.4f}" if isinstance(v, float) else f"{k:>24}: {v}")
-        return out

@@ -71,6 +71,8 @@ class RobotTask(TaskBase):
     `eval_batch`), so the tabletop default is "sampled": the rate the policy earns at its training
     temperature, `eval_samples` episodes per state."""
 
+    REPORT = "vla"
+
     seed: int
     train: list[dict]
     test: list[dict]
@@ -196,23 +198,6 @@ class RobotTask(TaskBase):
         greedy = "eval/greedy/success" if "eval/greedy/success" in after else "eval/success"
         return headline_rows(before, after, [("sampled success", "eval/sampled/success", ".1%"),
                                              ("greedy success", greedy, ".1%")])
-
-    def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None) -> Path:
-        """`mmrl eval`: every held-out state (LIBERO: each task's official initial states, the
-        published protocol) in the task's eval mode(s), written as `mmrl.evals.vla_eval` reports it
-        (vla_eval.json / .md: success per suite and task, with images shuffled too, the SFT loss
-        gap, rollout videos) into `output` (default: <run>/eval). Returns the JSON written."""
-        from mmrl.evals.vla_eval import table, write_vla_report
-
-        run_dir, _ = self.load_for_eval(policy, checkpoint, splits)
-        out_dir = Path(output) if output else run_dir / "eval"
-        with torch.no_grad():
-            record = write_vla_report(policy, [(getattr(self, "suite", None), self)], out_dir, Path(run_dir).name,
-                                      self.eval_modes(), run_dir=run_dir)
-        for mode in record["modes"]:
-            print(f"{mode} success (%):")
-            print(table([record], mode), end="")
-        return out_dir / "vla_eval.json"
 
 
 def grounding_loss(policy, frames: list[dict], n: int = 128, seed: int = 0) -> dict[str, float]:

@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output folder (default: <output_dir>/eval)")
     a = p.parse_args(argv)
 
-    from mmrl import build
+    from mmrl.assemble import build
     from mmrl.config import load_config
 
     cfg = load_config(a.config, a.overrides)

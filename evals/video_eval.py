@@ -66,14 +66,3 @@ def write_grid(path_stem: str | Path, rows: dict[str, list[np.ndarray]], prompts
     strip = [np.concatenate([fr, np.full((6, fr.shape[1], 3), 128, np.uint8)], 0) for fr in frames]
     iio.imwrite(png, np.concatenate(strip, 0))
     return [gif, png]
-
-
-def report_checkpoint(cfg, task, policy, checkpoint, out=None, splits=None) -> Path:
-    """The trainer's held-out evaluation of `checkpoint` (eval.json) and its videos (videos.gif / .png)."""
-    from mmrl.envs.base import TaskBase
-
-    written = TaskBase.evaluate_checkpoint(task, cfg, policy, checkpoint, out, splits)
-    videos = task.eval_videos[-1]  # the evaluation above generated them (`VideoTask.evaluate_outputs`)
-    paths = write_grid(Path(written).parent / "videos", {"checkpoint": videos}, task.shown_prompts)
-    print(f"videos: {paths[0]}")
-    return written

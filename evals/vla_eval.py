@@ -336,7 +336,7 @@ def load_saved_policy(cfg, checkpoint: str | None):
     """The config's policy with the checkpoint's weights: a run dir (latest step), a step_NNNNNN
     dir, or a directory written by `policy.save` (the run's final/)."""
     from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
-    from mmrl import build
+    from mmrl.assemble import build
 
     run_dir = Path(cfg.train.output_dir)
     if checkpoint is None:

@@ -347,12 +347,12 @@ def read_run_config(run_dir: str | Path, fill: bool = True) -> dict[str, Any]:
     """The resolved config `run_dir` was started with (its config.yaml): as written, or with `fill`
     checked against this mmrl's keys and every key filled in (not validated: a device it names may
     be one this machine lacks, which eval may override). A damaged file is one CheckpointError line."""
-    from mmrl.config import ConfigError, RunConfig, _build, read_config_file
+    from mmrl.config import ConfigError, RunConfig, build_dataclass, read_config_file
 
     saved = Path(run_dir) / RUN_CONFIG
     try:
         data = read_config_file(saved)
-        return _plain(_build(RunConfig, data).to_dict()) if fill else data
+        return _plain(build_dataclass(RunConfig, data).to_dict()) if fill else data
     except ConfigError as exc:
         raise CheckpointError(f"the run's config cannot be read: {exc} ({saved} is the config {run_dir} was "
                               f"started with; restore it, or remove it)") from None

@@ -51,10 +51,11 @@ def cmd_train(args) -> int:
     if not distributed.current().is_main:  # rank 0 reports for the run
         return 0
     from mmrl.evals.report import headline_text, write_report
+    from mmrl.evals.reports import summarize
 
     before, after = results["eval_before"], results["eval_after"]
     headline = task.headline(before, after)  # the domain's README metric, e.g. VQA accuracy, VLA success %
-    summary = task.summarize(results, cfg.train.output_dir, cpu_s=cpu_s)  # e.g. planning's EM / PR table by size
+    summary = summarize(task, results, cfg.train.output_dir, cpu_s=cpu_s)  # e.g. planning's EM / PR table by size
     report = write_report(cfg.train.output_dir, headline, summary)
     print(headline_text(headline, before["step"], after["step"]), end="")
     print(summary, end="")
@@ -97,8 +98,10 @@ def cmd_eval(args) -> int:
     cfg = eval_config(args.checkpoint, config, overrides)  # the run's own config.yaml, or CONFIG if it agrees
     if args.paper_split:
         cfg.task.params["paper_split"] = args.paper_split
+    from mmrl.evals.reports import evaluate_checkpoint
+
     task, policy = build(cfg)
-    written = task.evaluate_checkpoint(cfg, policy, args.checkpoint, output=args.output, splits=args.splits)
+    written = evaluate_checkpoint(cfg, task, policy, args.checkpoint, output=args.output, splits=args.splits)
     print(f"written: {written}")
     return 0
 

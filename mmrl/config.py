@@ -10,15 +10,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import inspect
-import types
-import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+# ConfigError, RunMismatchError and the check helpers are imported from here across the code.
+from mmrl.config_checks import (ConfigError, RunMismatchError, build_dataclass, check, check_names,  # noqa: F401
+                                check_params)
 
 
 # train.logprob_chunk: 0 (the default) sizes a chunk of the output head to this many logits, 32M
@@ -26,14 +26,6 @@ import yaml
 # On the CPU (hidden 896, 2,048 tokens, forward + backward) chunks of 256-1,024 tokens ran equally
 # fast and 128 8 % slower. A tiny model's vocabulary fits a whole micro-batch in one chunk.
 LOGPROB_CHUNK_LOGITS = 2**25
-
-
-class ConfigError(ValueError):
-    """A malformed config: the message names the key, the bad value and the valid choices."""
-
-
-class RunMismatchError(ConfigError):
-    """A run folder already holds a run of another config."""
 
 
 @dataclass
@@ -119,7 +111,7 @@ class AlgoConfig:
     redit_kind: Literal["gaussian", "uniform"] = "gaussian"
     success_filter: list[float] | None = None  # [low, high] on the group mean of the first reward
     # > 0: this share of each draw's prompts comes again from the prompts whose last group had
-    # differing rewards (a FIFO of `prompt_replay_size`), sampled afresh; mmrl/prompt_replay.py
+    # differing rewards (a FIFO of `prompt_replay_size`), sampled afresh; mmrl/stages/sampling.py
     prompt_replay: float = 0.0
     prompt_replay_size: int = 512
     # Guidance where RL cannot learn (ReLIFT, arXiv 2506.07527): a prompt whose group's best total
@@ -142,9 +134,10 @@ class AlgoConfig:
     papo_gamma: float = 0.0
     papo_kl_max: float = 0.0
     papo_entropy: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    # More terms added to the policy loss, each {name: <mmrl.loss_terms registry>, <its fields>}
-    # (the built-in ones come from the keys above; docs/architecture.md, "Add a loss term").
-    loss_terms: list[dict[str, Any]] = field(default_factory=list)
+    # More stages (mmrl.stages: rollout filters, reward shapers, advantage transforms, loss terms,
+    # auxiliary losses), each {name: <registered>, <its fields>}, after the ones the keys above turn
+    # on (mmrl.stages.LEGACY_KEYS; docs/architecture.md, "Add a stage").
+    stages: list[dict[str, Any]] = field(default_factory=list)
     # VL-Calibration (arXiv 2604.09529): > 0 reweights the advantages of negative-advantage tokens
     # by the rollout's visual certainty, w = clip(1 + alpha (1 - 2c), 0, 2) with alpha = this value.
     certainty_reweight: float = 0.0
@@ -238,85 +231,15 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # Python modules imported before the config is checked, where your own tasks, rewards, policies
+    # and stages register themselves: module names (`my_lab.stages`) or paths to .py files.
+    plugins: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 # ---------------------------------------------------------------- building from plain data
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp, key: str):
-    """Check `value` against the annotation `tp`, converting ints to floats where a float is due."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{key}: invalid value {value!r}; valid: {', '.join(map(str, args))}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {_type_name(tp)}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key)
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    return value
-
-
-def _build(cls, data: Any, prefix: str = ""):
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown key '{where}{unknown[0]}'; valid keys here: {', '.join(names)}")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
-    return cls(**kwargs)
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
@@ -387,14 +310,46 @@ def _mergeable(base: Any, extra: Any) -> bool:
 def typed_config(data: dict) -> RunConfig:
     """`data` as a typed RunConfig (names and types checked), without `validate`'s checks of values
     against the machine and the registries: for tools that only read a config (`mmrl plan`)."""
-    return _build(RunConfig, data)
+    return build_dataclass(RunConfig, data)
 
 
 def config_from_dict(data: dict) -> RunConfig:
     cfg = typed_config(data)
     cfg.train.output_dir = cfg.train.output_dir or default_output_dir(None, [])
+    import_plugins(cfg.plugins)
     validate(cfg)
     return cfg
+
+
+def import_plugins(plugins: list[str]) -> None:
+    """Import each of `plugins` (a module name, or a path to a .py file) once; a ConfigError of one
+    line naming the plugin and why it did not import."""
+    import importlib
+    import importlib.util
+    import sys
+
+    for i, plugin in enumerate(plugins):
+        try:
+            if plugin.endswith(".py"):
+                path = Path(plugin).expanduser().resolve()
+                name = f"mmrl_plugin_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
+                if name in sys.modules:
+                    continue
+                spec = importlib.util.spec_from_file_location(name, path)
+                if spec is None or not path.is_file():
+                    raise FileNotFoundError(f"no file {path}")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[name]
+                    raise
+            else:
+                importlib.import_module(plugin)
+        except Exception as exc:
+            raise ConfigError(f"plugins[{i}]: cannot import {plugin!r}: {type(exc).__name__}: {exc}; accepted: "
+                              f"a module name on the Python path or a path to a .py file") from None
 
 
 # Policies whose every forward goes through module calls that FSDP2's hooks see (others have
@@ -514,29 +469,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config_from_dict(data)
 
 
-def check_params(fn: Callable, params: dict[str, Any], where: str, skip: int = 0, internal: tuple[str, ...] = ()) -> None:
-    """Raise ConfigError naming a parameter `fn` does not take (after its first `skip` positional
-    ones; `internal` parameters are the caller's to pass, never a config's)."""
-    sig = inspect.signature(fn)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    valid = [n for n in list(sig.parameters)[skip:]
-             if sig.parameters[n].kind is not inspect.Parameter.VAR_POSITIONAL and n not in internal]
-    check_names(params, valid, where)
-
-
-def check_names(params: dict[str, Any], valid: list[str], where: str, kind: str = "parameter") -> None:
-    """Raise ConfigError (a ValueError) naming the first key of `params` not in `valid`, and the valid ones."""
-    unknown = [k for k in params if k not in valid]
-    if unknown:
-        raise ConfigError(f"{where}: unknown {kind} {unknown[0]!r}; valid: {', '.join(valid) or '(none)'}")
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks and registry names (imports are local: registries fill on import)."""
     from mmrl.algos import GAUSSIAN_KL, get_advantage_spec, get_loss_spec, list_algorithms
@@ -552,12 +484,12 @@ def validate(cfg: RunConfig) -> None:
                  f"algo.loss_params (loss {cfg.algo.loss!r})")
     estimators = [name for name, *_ in list_algorithms()["advantage"]]
     adv = cfg.algo.resolved_advantage()
-    _check(adv in estimators, f"algo.advantage: unknown estimator {adv!r}; valid: {', '.join(sorted(estimators))}")
+    check(adv in estimators, f"algo.advantage: unknown estimator {adv!r}; valid: {', '.join(sorted(estimators))}")
     check_names(cfg.algo.advantage_params, [p for p in get_advantage_spec(adv).params if p != "mask"],
                  f"algo.advantage_params (estimator {adv!r})")
     kl_kinds = [name for name, *_ in list_algorithms()["kl"]]
-    _check(cfg.algo.kl_kind in kl_kinds, f"algo.kl_kind: invalid value {cfg.algo.kl_kind!r}; valid: {', '.join(kl_kinds)}")
-    _check(cfg.model.policy in POLICIES,
+    check(cfg.algo.kl_kind in kl_kinds, f"algo.kl_kind: invalid value {cfg.algo.kl_kind!r}; valid: {', '.join(kl_kinds)}")
+    check(cfg.model.policy in POLICIES,
            f"model.policy: unknown policy {cfg.model.policy!r}; valid: {', '.join(sorted(POLICIES))}")
     try:
         policy_class(cfg.model.policy).check_params(cfg.model.params)
@@ -567,7 +499,7 @@ def validate(cfg: RunConfig) -> None:
         cls = policy_class(cfg.model.policy)
         ok = getattr(cls, "GAUSSIAN_UNITS", False) and cls.supports_gaussian_kl(cfg.model.params)
         gaussian = sorted(n for n in POLICIES if getattr(policy_class(n), "GAUSSIAN_UNITS", False))
-        _check(ok, f"algo.kl_kind: 'gaussian' needs units that are Gaussian denoising steps; model.policy "
+        check(ok, f"algo.kl_kind: 'gaussian' needs units that are Gaussian denoising steps; model.policy "
                    f"{cfg.model.policy!r} (with these model.params) has none; accepted with: {', '.join(gaussian)} "
                    f"(video_gen with exploration sde); else k1, k2, k3 or abs")
     if cfg.train.max_tokens_per_micro and not getattr(policy_class(cfg.model.policy), "TOKEN_BUDGET", False):
@@ -579,7 +511,7 @@ def validate(cfg: RunConfig) -> None:
         supported = sorted(n for n in POLICIES if getattr(policy_class(n), "GRADIENT_CHECKPOINTING", False))
         raise ConfigError(f"train.gradient_checkpointing: model.policy {cfg.model.policy!r} does not support it; "
                           f"supported: {', '.join(supported)}")
-    _check(cfg.task.name in task_names(), f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(task_names())}")
+    check(cfg.task.name in task_names(), f"task.name: unknown task {cfg.task.name!r}; valid: {', '.join(task_names())}")
     check_params(task_class(cfg.task.name).__init__, cfg.task.params, f"task.params (task {cfg.task.name!r})",
                  skip=1, internal=("seed",))
     try:  # the task's own checks of values that do not fit together (e.g. a parameter its source ignores)
@@ -588,7 +520,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(str(exc)) from None
     # Devices before anything is built: a reward or judge loads its model onto its device when built.
     t = cfg.train
-    _check(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
+    check(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
            f"train.device: invalid value {t.device!r}; valid: auto, cpu, cuda, cuda:N")
     check_device(t.device, "train.device")
     named = [*_param_devices(cfg.model.params, "model.params"), *_param_devices(cfg.task.params, "task.params")]
@@ -596,99 +528,96 @@ def validate(cfg: RunConfig) -> None:
         named += _param_devices(r.params, f"rewards.{i}.params")
     for key, value in named:
         check_device(value, key, fallback="cpu")  # these are handed to torch as they are: no "auto"
-    _check(len(cfg.rewards) > 0, "rewards: at least one reward is needed")
+    check(len(cfg.rewards) > 0, "rewards: at least one reward is needed")
     for i, r in enumerate(cfg.rewards):
-        _check(r.name in REWARDS, f"rewards[{i}].name: unknown reward {r.name!r}; valid: {', '.join(sorted(REWARDS))}")
+        check(r.name in REWARDS, f"rewards[{i}].name: unknown reward {r.name!r}; valid: {', '.join(sorted(REWARDS))}")
         try:
             build_reward(r.name, r.params)  # checks the parameter names; builds nothing heavy
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"rewards[{i}].params: {exc}") from None
     s, t, a = cfg.sampling, cfg.train, cfg.algo
-    _check(s.group_size >= 1, f"sampling.group_size must be >= 1, got {s.group_size}")
-    _check(s.max_new_tokens >= 1, f"sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}")
-    _check(s.temperature > 0, f"sampling.temperature must be > 0, got {s.temperature}")
-    _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
-    _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
-    _check(cfg.sft.steps >= 0, f"sft.steps must be >= 0 (0 = no SFT), got {cfg.sft.steps}")
-    _check(cfg.sft.lr > 0, f"sft.lr must be > 0, got {cfg.sft.lr}")
-    _check(cfg.sft.batch_size >= 1, f"sft.batch_size must be >= 1, got {cfg.sft.batch_size}")
-    _check(cfg.sft.examples >= 1, f"sft.examples must be >= 1, got {cfg.sft.examples}")
-    _check(cfg.sft.warmup_steps >= 0, f"sft.warmup_steps must be >= 0, got {cfg.sft.warmup_steps}")
-    _check(cfg.sft.max_cpu_s >= 0, f"sft.max_cpu_s must be >= 0 (0 = no limit), got {cfg.sft.max_cpu_s}")
-    _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
-    _check(t.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {t.prompts_per_step}")
-    _check(t.ppo_epochs >= 1, f"train.ppo_epochs must be >= 1, got {t.ppo_epochs}")
-    _check(t.mini_batches >= 1, f"train.mini_batches must be >= 1, got {t.mini_batches}")
-    _check(t.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0, got {t.micro_batch_size}")
-    _check(t.max_tokens_per_micro >= 0, f"train.max_tokens_per_micro must be >= 0 (prompt + response tokens "
+    check(s.group_size >= 1, f"sampling.group_size must be >= 1, got {s.group_size}")
+    check(s.max_new_tokens >= 1, f"sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}")
+    check(s.temperature > 0, f"sampling.temperature must be > 0, got {s.temperature}")
+    check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
+    check(cfg.sft.steps >= 0, f"sft.steps must be >= 0 (0 = no SFT), got {cfg.sft.steps}")
+    check(cfg.sft.lr > 0, f"sft.lr must be > 0, got {cfg.sft.lr}")
+    check(cfg.sft.batch_size >= 1, f"sft.batch_size must be >= 1, got {cfg.sft.batch_size}")
+    check(cfg.sft.examples >= 1, f"sft.examples must be >= 1, got {cfg.sft.examples}")
+    check(cfg.sft.warmup_steps >= 0, f"sft.warmup_steps must be >= 0, got {cfg.sft.warmup_steps}")
+    check(cfg.sft.max_cpu_s >= 0, f"sft.max_cpu_s must be >= 0 (0 = no limit), got {cfg.sft.max_cpu_s}")
+    check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
+    check(t.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {t.prompts_per_step}")
+    check(t.ppo_epochs >= 1, f"train.ppo_epochs must be >= 1, got {t.ppo_epochs}")
+    check(t.mini_batches >= 1, f"train.mini_batches must be >= 1, got {t.mini_batches}")
+    check(t.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0, got {t.micro_batch_size}")
+    check(t.max_tokens_per_micro >= 0, f"train.max_tokens_per_micro must be >= 0 (prompt + response tokens "
                                         f"of one micro-batch; 0 = off), got {t.max_tokens_per_micro}")
-    _check(t.unit_chunk >= 0, f"train.unit_chunk must be >= 0 (0 = all units in one pass), got {t.unit_chunk}")
-    _check(t.logprob_chunk >= 0, f"train.logprob_chunk must be >= 0 (tokens per chunk of the output head; "
+    check(t.unit_chunk >= 0, f"train.unit_chunk must be >= 0 (0 = all units in one pass), got {t.unit_chunk}")
+    check(t.logprob_chunk >= 0, f"train.logprob_chunk must be >= 0 (tokens per chunk of the output head; "
                                  f"0 = sized to the vocabulary), got {t.logprob_chunk}")
-    _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
-    _check(len(t.betas) == 2, f"train.betas must be two numbers, got {t.betas}")
-    _check(t.dist_timeout_s > 0, f"train.dist_timeout_s must be > 0, got {t.dist_timeout_s}")
+    check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    check(len(t.betas) == 2, f"train.betas must be two numbers, got {t.betas}")
+    check(t.dist_timeout_s > 0, f"train.dist_timeout_s must be > 0, got {t.dist_timeout_s}")
     if t.fsdp:  # FSDP needs the same forwards on every rank; these take a rank-dependent number
-        _check(cfg.model.policy in FSDP_POLICIES,
+        check(cfg.model.policy in FSDP_POLICIES,
                f"train.fsdp: model.policy {cfg.model.policy!r} runs replicated only (train.fsdp: false); "
                f"FSDP2 sharding is built for: {', '.join(FSDP_POLICIES)}")
-        _check(t.unit_chunk == 0, f"train.fsdp does not support train.unit_chunk (got {t.unit_chunk}); set it to 0")
-        _check(a.guide_below is None, "train.fsdp does not support algo.guide_below; use replicate mode (train.fsdp: false)")
+        check(t.unit_chunk == 0, f"train.fsdp does not support train.unit_chunk (got {t.unit_chunk}); set it to 0")
+        check(a.guide_below is None, "train.fsdp does not support algo.guide_below; use replicate mode (train.fsdp: false)")
     from mmrl.algos import CORRECTION_LEVELS, CORRECTIONS
 
     r = cfg.rollout
-    _check(r.correction in CORRECTIONS,
+    check(r.correction in CORRECTIONS,
            f"rollout.correction: invalid value {r.correction!r}; valid: {', '.join(CORRECTIONS)}")
-    _check(r.correction_level in ("auto", *CORRECTION_LEVELS),
+    check(r.correction_level in ("auto", *CORRECTION_LEVELS),
            f"rollout.correction_level: invalid value {r.correction_level!r}; valid: auto, {', '.join(CORRECTION_LEVELS)}")
-    _check(r.correction_cap > 1, f"rollout.correction_cap must be > 1, got {r.correction_cap}")
-    _check(r.correction == "none" or r.correction_level != "token" or not loss_spec.sequence_advantage,
+    check(r.correction_cap > 1, f"rollout.correction_cap must be > 1, got {r.correction_cap}")
+    check(r.correction == "none" or r.correction_level != "token" or not loss_spec.sequence_advantage,
            f"rollout.correction_level: loss {cfg.algo.loss!r} needs one advantage per sequence; "
            f"set rollout.correction_level: sequence")
-    _check(r.batch_size >= 0, f"rollout.batch_size must be >= 0 (0 = all rows in one sampler call), got {r.batch_size}")
-    _check(r.engine in ROLLOUT_ENGINES, f"rollout.engine: invalid value {r.engine!r}; valid: {', '.join(ROLLOUT_ENGINES)}")
+    check(r.batch_size >= 0, f"rollout.batch_size must be >= 0 (0 = all rows in one sampler call), got {r.batch_size}")
+    check(r.engine in ROLLOUT_ENGINES, f"rollout.engine: invalid value {r.engine!r}; valid: {', '.join(ROLLOUT_ENGINES)}")
     if r.engine == "vllm":
-        _check(cfg.model.policy in VLLM_POLICIES,
+        check(cfg.model.policy in VLLM_POLICIES,
                f"rollout.engine: vllm samples the text policies ({', '.join(VLLM_POLICIES)}), "
                f"not model.policy {cfg.model.policy!r}; use rollout.engine: hf")
-        _check(t.recompute_old_logp, "rollout.engine: vllm needs train.recompute_old_logp: true (the engine's "
+        check(t.recompute_old_logp, "rollout.engine: vllm needs train.recompute_old_logp: true (the engine's "
                                      "log-probs are the behaviour policy's, not the trainer's)")
-        _check(0 < r.vllm_memory < 1, f"rollout.vllm_memory must be in (0, 1) (a share of the GPU), got {r.vllm_memory}")
-    _check(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
-    _check(0 < a.entropy_top_frac <= 1, f"algo.entropy_top_frac must be in (0, 1] (1 = every token), got {a.entropy_top_frac}")
-    _check(a.overlong_cache_len < s.max_new_tokens or a.overlong_cache_len == 0,
+        check(0 < r.vllm_memory < 1, f"rollout.vllm_memory must be in (0, 1) (a share of the GPU), got {r.vllm_memory}")
+    check(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
+    check(0 < a.entropy_top_frac <= 1, f"algo.entropy_top_frac must be in (0, 1] (1 = every token), got {a.entropy_top_frac}")
+    check(a.overlong_cache_len < s.max_new_tokens or a.overlong_cache_len == 0,
            f"algo.overlong_cache_len ({a.overlong_cache_len}) must be below sampling.max_new_tokens ({s.max_new_tokens})")
-    _check(a.gfpo_keep == 0 or 1 <= a.gfpo_keep < s.group_size,
+    check(a.gfpo_keep == 0 or 1 <= a.gfpo_keep < s.group_size,
            f"algo.gfpo_keep ({a.gfpo_keep}) must be 0 (off) or in [1, sampling.group_size={s.group_size})")
-    _check(0 <= a.prompt_replay <= 1, f"algo.prompt_replay must be in [0, 1] (0 = off), got {a.prompt_replay}")
-    _check(a.prompt_replay_size >= 1, f"algo.prompt_replay_size must be >= 1, got {a.prompt_replay_size}")
-    _check(a.guide_coef > 0, f"algo.guide_coef must be > 0, got {a.guide_coef}")
-    _check(a.sft_coef >= 0, f"algo.sft_coef must be >= 0, got {a.sft_coef}")
-    _check(a.sft_batch_size is None or a.sft_batch_size >= 1,
+    check(0 <= a.prompt_replay <= 1, f"algo.prompt_replay must be in [0, 1] (0 = off), got {a.prompt_replay}")
+    check(a.prompt_replay_size >= 1, f"algo.prompt_replay_size must be >= 1, got {a.prompt_replay_size}")
+    check(a.guide_coef > 0, f"algo.guide_coef must be > 0, got {a.guide_coef}")
+    check(a.sft_coef >= 0, f"algo.sft_coef must be >= 0, got {a.sft_coef}")
+    check(a.sft_batch_size is None or a.sft_batch_size >= 1,
            f"algo.sft_batch_size must be >= 1 (or null: sft.batch_size), got {a.sft_batch_size}")
-    try:
-        from mmrl.loss_terms import from_algo
+    from mmrl.stages import from_algo
 
-        from_algo(a)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    _check(a.papo_gamma >= 0, f"algo.papo_gamma must be >= 0 (0 = off), got {a.papo_gamma}")
-    _check(a.papo_kl_max >= 0, f"algo.papo_kl_max must be >= 0 (0 = no clip), got {a.papo_kl_max}")
-    _check(len(a.papo_entropy) == 2 and min(a.papo_entropy) >= 0,
+    from_algo(a, cfg.sft.batch_size)  # every stage's config, checked before anything is built
+    check(a.papo_gamma >= 0, f"algo.papo_gamma must be >= 0 (0 = off), got {a.papo_gamma}")
+    check(a.papo_kl_max >= 0, f"algo.papo_kl_max must be >= 0 (0 = no clip), got {a.papo_kl_max}")
+    check(len(a.papo_entropy) == 2 and min(a.papo_entropy) >= 0,
            f"algo.papo_entropy must be two numbers >= 0 ([eta_1, eta_2]), got {a.papo_entropy}")
-    _check(a.certainty_reweight >= 0, f"algo.certainty_reweight must be >= 0 (0 = off), got {a.certainty_reweight}")
-    _check(0 <= a.mask_prob <= 1, f"algo.mask_prob must be in [0, 1], got {a.mask_prob}")
+    check(a.certainty_reweight >= 0, f"algo.certainty_reweight must be >= 0 (0 = off), got {a.certainty_reweight}")
+    check(0 <= a.mask_prob <= 1, f"algo.mask_prob must be in [0, 1], got {a.mask_prob}")
     if a.success_filter is not None:
         lo_hi = a.success_filter
-        _check(len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1] <= 1,
+        check(len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1] <= 1,
                f"algo.success_filter must be [low, high] with 0 <= low <= high <= 1, got {lo_hi}")
-    _check(cfg.model.source != "pretrained" or bool(cfg.model.path),
+    check(cfg.model.source != "pretrained" or bool(cfg.model.path),
            "model.path: a local folder or a hub id (owner/name) is required when model.source is 'pretrained'")
     if cfg.model.source == "pretrained":  # a hub id is fetched when the model is built (mmrl.hub)
         from mmrl.hub import is_hub_id
 
         path = Path(cfg.model.path).expanduser()
-        _check(path.is_dir() or (not path.exists() and is_hub_id(cfg.model.path)),
+        check(path.is_dir() or (not path.exists() and is_hub_id(cfg.model.path)),
                f"model.path: {cfg.model.path!r} is not a model folder" + (" (it is a file)" if path.is_file() else
                                                                           " (not found) nor a hub id (owner/name)")
                + "; accepted: a local folder saved by save_pretrained, or a Hugging Face model id")

@@ -43,6 +43,9 @@ class Dist:
 
 SINGLE = Dist()
 
+# Rank r's random streams are seeded seed + r * RANK_SEED_STRIDE (rank 0: the single-process seeds).
+RANK_SEED_STRIDE = 1_000_003
+
 
 def launched() -> bool:
     """Whether torchrun (or another launcher setting RANK / WORLD_SIZE) started this process as one of several."""
@@ -51,6 +54,14 @@ def launched() -> bool:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and launched():  # under torchrun: this rank's GPU
+        return torch.device("cuda", local_rank())
+    return torch.device(name)
 
 
 def setup(device: str, timeout_s: float, fsdp: bool = False) -> Dist:
@@ -190,7 +201,7 @@ def first_message(d: Dist, message: str | None) -> str | None:
 # Metrics combined over ranks by a sum (counters) instead of a mean.
 SUMMED_METRICS = ("sampling/kept_groups", "sampling/short_groups", "replay/pushed", "replay/drawn",
                   "replay/size", "guide/failed_groups", "gen_tokens")
-# The loss and its terms (mmrl.loss_terms) are normalised by the whole step over every rank: each
+# The loss and its terms (mmrl.stages) are normalised by the whole step over every rank: each
 # rank logs world x its share, so one process's value is their mean over every rank, a rank without
 # rows (which logs none) counting 0. The trainer names its terms; these are the built-in ones.
 STEP_NORMALISED = ("train/loss", "train/entropy", "train/kl_ref", "train/perception_kl", "train/entropy_masked")

@@ -18,6 +18,15 @@ def say(message: str) -> None:
     tqdm.write(f"mmrl: {message}", file=sys.stderr)
 
 
+def progress(it, desc: str, enabled: bool, **kwargs):
+    """`it` with a tqdm bar when `enabled`."""
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, desc=desc, dynamic_ncols=True, **kwargs)
+
+
 class MetricsLogger:
     def __init__(self, out_dir: str | Path, tensorboard: bool = False, wandb: bool = False,
                  wandb_project: str = "mmrl", config: dict[str, Any] | None = None):

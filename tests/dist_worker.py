@@ -137,7 +137,7 @@ def resume(root: str, out_json: str) -> None:
         resumed.train(resume=True)
         a, b = full_weights(straight), full_weights(resumed)
         out[name] = {"max_diff": max((a[k] - b[k]).abs().max().item() for k in a),
-                     "step": resumed.step, "group_offset": resumed.group_offset,
+                     "step": resumed.step, "group_offset": resumed.collector.group_offset,
                      "weights_sum": float(sum(v.double().sum() for v in b.values()))}
     if dist.get_rank() == 0:
         Path(out_json).write_text(json.dumps(out, indent=1))

@@ -108,7 +108,7 @@ def test_caption_resume_is_exact_and_evaluation_never_changes_training(tmp_path)
     stopped.train(resume=False)
     resumed = trainer(tmp_path / "stopped", eval_every=0, save_every=2)
     resumed.train()
-    assert resumed.rewards[0][2].state_dict() == quiet.rewards[0][2].state_dict() == {"draws": 4}
+    assert resumed.collector.rewards[0][2].state_dict() == quiet.collector.rewards[0][2].state_dict() == {"draws": 4}
     a, b, c = weights(quiet), weights(evaluated), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a), "evaluation changed training"
     assert all(torch.equal(a[k], c[k]) for k in a), "resume is not exact"

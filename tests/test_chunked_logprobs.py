@@ -215,7 +215,7 @@ def test_rollout_batch_size_bounds_a_sampler_call(tmp_path, monkeypatch):
     sample = trainer.policy.sample
     monkeypatch.setattr(trainer.policy, "sample", lambda c, g, **k: calls.append(len(c) * g) or sample(c, g, **k))
     contexts = trainer.task.next_batch(5)
-    rollout = trainer.sample(contexts, 8, torch.Generator().manual_seed(0), first_group=3)
+    rollout = trainer.collector.sample(contexts, 8, torch.Generator().manual_seed(0), first_group=3)
     assert calls == [16, 16, 8] and len(rollout) == 40
     assert rollout.group_ids.tolist() == [g for g in range(3, 8) for _ in range(8)]
     assert [c["prompt"] for c in rollout.contexts[::8]] == [c["prompt"] for c in contexts]

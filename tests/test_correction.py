@@ -347,8 +347,8 @@ def test_the_trainer_weights_each_units_loss_by_its_truncated_ratio(tmp_path):
     rollout, _ = trainer.collect()
     rho = torch.tensor([0.5, 3.0, 1.5, 2.5])[torch.arange(rollout.mask.shape[1]) % 4].expand_as(rollout.logp_old)
     rollout.logp_beh = rollout.logp_old - rho.log()
-    adv = trainer.advantages(rollout)
-    weights, metrics = trainer.correct_mismatch(rollout, rollout.logp_old, rollout.mask)
+    adv, _ = trainer.advantages(rollout)
+    weights, metrics = trainer.updater.correct_mismatch(rollout, rollout.logp_old, rollout.mask)
     torch.testing.assert_close(weights, torch.where(rollout.mask, rho.clamp(max=2.0), torch.zeros_like(rho)))
     share = ((rho > 2) & rollout.mask).sum() / rollout.mask.sum()
     assert metrics["correction/truncated_frac"] == pytest.approx(float(share))
@@ -374,8 +374,8 @@ def test_auto_level_gives_a_sequence_loss_one_weight_per_sequence(tmp_path):
     rollout, _ = trainer.collect()
     log_rho = torch.linspace(-0.3, 0.3, len(rollout))[:, None].expand_as(rollout.logp_old)  # per row, per unit
     rollout.logp_beh = rollout.logp_old - log_rho
-    adv = trainer.advantages(rollout)
-    weights, _ = trainer.correct_mismatch(rollout, rollout.logp_old, rollout.mask)
+    adv, _ = trainer.advantages(rollout)
+    weights, _ = trainer.updater.correct_mismatch(rollout, rollout.logp_old, rollout.mask)
     assert weights.shape == adv.shape  # one weight per sequence, as its advantage
     torch.testing.assert_close(weights, torch.exp((log_rho * rollout.mask).sum(1)).clamp(max=2.0))
     assert "correction/truncated_frac" in trainer.update(rollout)

@@ -53,7 +53,7 @@ def test_a_visible_device_is_accepted():
 @pytest.mark.parametrize("name", ["video_wan_gpu.yaml", "vqa_geometry3k_gpu.yaml", "vla_libero_grpo.yaml"])
 def test_shipped_gpu_configs_run_where_the_gpu_is(name):
     """auto: the GPU when one is visible, else the CPU (the configs load on a machine without one)."""
-    from mmrl.trainer import resolve_device
+    from mmrl.distributed import resolve_device
 
     train = read_config_file(CONFIGS / name)["train"]
     assert train["device"] == "auto"

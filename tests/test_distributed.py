@@ -92,7 +92,7 @@ def test_a_two_rank_checkpoint_loads_into_one_process(resumed):
     assert sorted(p.name for p in find_latest(run).iterdir()) == ["dcp", "meta.json", "rank_0.pt", "rank_1.pt"]
     trainer = build(make_cfg(str(run), steps=4), SINGLE)
     assert trainer.resume() is not None
-    assert trainer.step == 3 and trainer.group_offset == 18
+    assert trainer.step == 3 and trainer.collector.group_offset == 18
     exported = load_file(str(run / "final" / "model.safetensors"))
     loaded = trainer.policy.model.state_dict()
     for k, v in exported.items():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mmrl
-from mmrl import algos, loss_terms
+from mmrl import algos, stages
 from mmrl.cli import main
 from mmrl.flow import flow_timesteps, gaussian_kl, gaussian_logprob, sde_step
 from mmrl.trainer import Trainer
@@ -87,9 +87,9 @@ def _direct_kl_term(trainer, rollout, ref_means):
         _, mean, std = policy._step(policy.model, states, text, j)  # [N, ch, C, F/C, H, W]
         ref = ref_means[:, j * C:(j + 1) * C]  # [N, C, ch, F/C, H, W]
         kl.append(((mean.transpose(1, 2) - ref) ** 2).flatten(2).mean(-1) / (2 * std ** 2))
-    mask, budget = rollout.mask, trainer.unit_budget(rollout)
-    denom = algos.agg_denominator(mask, trainer.agg, budget)
-    return algos.aggregate(torch.cat(kl, 1), mask, trainer.agg, budget, denominator=denom)
+    mask, budget, agg = rollout.mask, trainer.updater.unit_budget(rollout), trainer.updater.agg
+    denom = algos.agg_denominator(mask, agg, budget)
+    return algos.aggregate(torch.cat(kl, 1), mask, agg, budget, denominator=denom)
 
 
 def test_the_kl_gradient_is_the_direct_one_and_the_same_with_unit_windows(tmp_path):
@@ -102,7 +102,8 @@ def test_the_kl_gradient_is_the_direct_one_and_the_same_with_unit_windows(tmp_pa
         policy.model.load_state_dict(state)
         trainer.cfg.train.unit_chunk = unit_chunk
         trainer.cfg.algo.beta = beta
-        trainer.loss_terms = loss_terms.from_algo(trainer.cfg.algo)  # the trainer reads its terms once
+        # the trainer reads its terms once
+        trainer.updater.loss_terms = stages.from_algo(trainer.cfg.algo, 1).of(stages.LossTerm)
         metrics = trainer.update(rollout)
         return metrics, {k: p.grad.clone() for k, p in policy.model.named_parameters() if p.grad is not None}
 

@@ -11,6 +11,7 @@ import pytest
 from mmrl.envs import make_task
 from mmrl.envs.base import Headline
 from mmrl.envs.robot_task import RobotTask
+from mmrl.evals.reports import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +80,7 @@ def test_caption_and_video_headlines():
     assert [r.label for r in video.headline(vid, vid)] == [
         "held-out reward (total)", "colour reward", "motion reward", "smoothness reward"]
     # the summary lists what the headline leaves out, not the components again
-    summary = video.summarize({"eval_before": vid, "eval_after": vid}, "unused")
+    summary = summarize(video, {"eval_before": vid, "eval_after": vid}, "unused")
     assert "| temporal_consistency | 0.950 | 0.950 |" in summary and "video_colour" not in summary
 
 
@@ -105,7 +106,7 @@ def test_report_md_opens_with_the_headline_and_holds_the_planning_table(tmp_path
     fake_run(tmp_path / "run", before, after)
     from mmrl.evals.report import write_report
 
-    summary = task.summarize({"eval_before": before, "eval_after": after}, tmp_path / "run")
+    summary = summarize(task, {"eval_before": before, "eval_after": after}, tmp_path / "run")
     md = write_report(tmp_path / "run", task.headline(before, after), summary).read_text()
     head = md.splitlines()
     assert head[2] == "| metric | step 0: before RL (after SFT) | step 2: after RL |"

@@ -5,11 +5,12 @@ layers below it, counting every import, at module level or inside a function, me
 Layers, lowest first (a module belongs to the layer of its longest matching prefix in `LAYERS`):
 
     0 core      mmrl.algos, mmrl.rollout, mmrl.flow, mmrl.distributed, mmrl.logger, mmrl.hub, mmrl.tiny,
-                mmrl.checkpoint, mmrl.config, mmrl.loss_terms, mmrl.prompt_replay
+                mmrl.checkpoint, mmrl.config, mmrl.config_checks, mmrl.stages
     1 policies  mmrl.policies.*
     2 rewards   mmrl.rewards.*
     3 envs      mmrl.envs.*  (the tasks)
-    4 trainer   mmrl.trainer
+    4 trainer   mmrl.trainer and its stages of the step: mmrl.collect, mmrl.update, mmrl.sft, mmrl.run_control;
+                mmrl.assemble (task + policy from a config, for the trainer's callers and the evals)
     5 evals     mmrl.evals.*
     6 cli       mmrl (the package: load_config / build / train), mmrl.cli, mmrl.plan
 
@@ -41,11 +42,11 @@ ROOTS = {"mmrl": "mmrl", "envs": "mmrl.envs", "evals": "mmrl.evals"}
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("mmrl.algos", "mmrl.rollout", "mmrl.flow", "mmrl.distributed", "mmrl.logger", "mmrl.hub",
-              "mmrl.tiny", "mmrl.checkpoint", "mmrl.config", "mmrl.loss_terms", "mmrl.prompt_replay")),
+              "mmrl.tiny", "mmrl.checkpoint", "mmrl.config", "mmrl.config_checks", "mmrl.stages")),
     ("policies", ("mmrl.policies",)),
     ("rewards", ("mmrl.rewards",)),
     ("envs", ("mmrl.envs",)),
-    ("trainer", ("mmrl.trainer",)),
+    ("trainer", ("mmrl.trainer", "mmrl.collect", "mmrl.update", "mmrl.sft", "mmrl.run_control", "mmrl.assemble")),
     ("evals", ("mmrl.evals",)),
     ("cli", ("mmrl", "mmrl.cli", "mmrl.plan")),
 ]
@@ -76,22 +77,6 @@ KNOWN_VIOLATIONS: set[tuple[str, str]] = {
     ("mmrl.rewards.planning", "mmrl.envs.planning.render"),
     ("mmrl.rewards.planning_text", "mmrl.envs.planning.grid"),
     ("mmrl.rewards.video", "mmrl.envs.video.clips"),
-    # TaskBase.evaluate_checkpoint builds a Trainer: `mmrl eval` (evals / cli) should run the
-    # trainer's evaluation itself.
-    ("mmrl.envs.base", "mmrl.trainer"),
-    # Tasks call their evaluation reports (robot_task <-> vla_eval and the like): the evals should
-    # dispatch on the task, not the task on the evals.
-    ("mmrl.envs.captioning.task", "mmrl.evals.caption_eval"),
-    ("mmrl.envs.planning.task", "mmrl.evals.planning_eval"),
-    ("mmrl.envs.robot_task", "mmrl.evals.vla_eval"),
-    ("mmrl.envs.video.task", "mmrl.evals.video_eval"),
-    ("mmrl.envs.vqa.task", "mmrl.evals.vqa_eval"),
-    # Evaluations build (task, policy) with the top-level `mmrl.build`: take them from the caller,
-    # or move `build` to a module below the evals.
-    ("mmrl.evals.caption_eval", "mmrl"),
-    ("mmrl.evals.planning_eval", "mmrl"),
-    ("mmrl.evals.vla_eval", "mmrl"),
-    ("mmrl.evals.vqa_benchmark", "mmrl"),
 }
 
 

@@ -80,12 +80,12 @@ def _training_metrics(d, root: str, variant: dict) -> dict | None:
 
     from mmrl import distributed
     from mmrl.rollout import Rollout
-    from mmrl.trainer import reward_stats
+    from mmrl.collect import reward_stats
 
     cfg = make_cfg(root, **variant)
     trainer = dist_worker.build(cfg, distributed.current(cfg.train.fsdp))
     raw, kept = [], []
-    score, collect = trainer.score, trainer.collect
+    score, collect = trainer.collector.score, trainer.collect
 
     def recording_score(rollout, rewards=None, outputs=None):
         total = score(rollout, rewards, outputs)
@@ -97,7 +97,7 @@ def _training_metrics(d, root: str, variant: dict) -> dict | None:
         kept.append(batch)
         return batch, stats
 
-    trainer.score, trainer.collect = recording_score, recording_collect
+    trainer.collector.score, trainer.collect = recording_score, recording_collect
     reduced = distributed.reduce_metrics(d, trainer.train_step(), trainer.metric_weights)
     every: list = [None] * d.world
     dist.all_gather_object(every, (raw[0], kept[0]))

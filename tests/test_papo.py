@@ -11,7 +11,10 @@ import torch
 import mmrl
 from mmrl.algos import perception_kl
 from mmrl.config import load_config
+from mmrl import stages
+from mmrl.stages import AdvantageInputs, CertaintyReweight
 from mmrl.trainer import Trainer
+from mmrl.update import Updater
 
 torch.set_num_threads(1)
 
@@ -92,7 +95,7 @@ def test_papo_terms_ignore_padding(tmp_path):
         old = torch.where(mask, -torch.rand(n, T, generator=g.manual_seed(9)), 0.0)
         ref = torch.where(mask, -torch.rand(n, T, generator=g.manual_seed(8)), 0.0)
         adv = torch.linspace(-1, 1, n)
-        loss, metrics = trainer.micro_loss(rollout, scores, mask, old, adv, ref, denom)
+        loss, metrics = trainer.updater.micro_loss(rollout, scores, mask, old, adv, ref, denom)
         loss.backward()
         return loss.item(), metrics, {k: v.grad for k, v in scores.items()}
 
@@ -108,6 +111,10 @@ def _grads(trainer, rollout, state, **cfg):
     for k, v in cfg.items():
         section, key = k.split("__")
         setattr(getattr(trainer.cfg, section), key, v)
+    if any(k.startswith("algo__") for k in cfg):  # the update reads its stages once: build them again
+        trainer.updater = Updater(trainer.cfg, trainer.policy, trainer.task, trainer.dist,
+                                  stages.from_algo(trainer.cfg.algo, 1), trainer.autocast, trainer.shuffle_gen,
+                                  trainer.sample_gen)
     trainer.sample_gen.manual_seed(7)  # the same image mask in every call
     metrics = trainer.update(rollout)
     return metrics, {k: p.grad.clone() for k, p in trainer.policy.model.named_parameters() if p.grad is not None}
@@ -133,7 +140,9 @@ def test_certainty_reweighting_changes_only_negative_advantage_tokens(tmp_path):
     mask = rollout.mask
     adv = torch.linspace(-1, 1, len(rollout))
     masked = trainer.policy.mask_images(rollout, 0.6, torch.Generator().manual_seed(0))
-    w = trainer.certainty_weights(rollout, masked, mask, adv)
+    u = trainer.updater
+    x = AdvantageInputs(rollout, rollout.rewards["total"], mask, lambda: u.masked_pass_scores(rollout, masked))
+    w = CertaintyReweight(alpha=0.5).weights(adv, x)
     assert w.shape == mask.shape and not w[~mask].any()
     assert torch.all(w[(adv >= 0)[:, None] & mask] == 1)  # positive advantages are left alone
     assert torch.all((w[mask] >= 0) & (w[mask] <= 2))

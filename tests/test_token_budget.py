@@ -58,7 +58,7 @@ def test_the_gradient_equals_row_count_micro_batches(tmp_path, agg, monkeypatch)
     by_rows.train_step()
     packed = _trainer(tmp_path / "tokens", agg, max_tokens_per_micro=48)
     seen = []
-    micro_part = packed.micro_part
+    micro_part = packed.updater.micro_part
 
     def spy(rollout, rows):
         part = micro_part(rollout, rows)
@@ -66,7 +66,7 @@ def test_the_gradient_equals_row_count_micro_batches(tmp_path, agg, monkeypatch)
                      rollout.extras["prompt_ids"].shape[1], rollout.units.shape[1]))
         return part
 
-    monkeypatch.setattr(packed, "micro_part", spy)
+    monkeypatch.setattr(packed.updater, "micro_part", spy)
     packed.train_step()
     assert seen and all(n * (p + t) <= 48 for n, p, t, _, _ in seen), seen
     assert any(p < P or t < T for _, p, t, P, T in seen), seen  # some padding was cut
@@ -115,7 +115,7 @@ def test_the_key_is_checked_at_load():
 def test_fsdp_ranks_get_the_same_number_of_micro_batches():
     """Under FSDP a rank with fewer packed micro-batches splits its largest until it has as many as
     the rank with the most (FSDP's collectives run once per forward on every rank)."""
-    from mmrl.trainer import split_largest
+    from mmrl.update import split_largest
 
     batches = [torch.arange(0, 5), torch.arange(5, 7), torch.arange(7, 8)]
     out = split_largest(batches, 5)

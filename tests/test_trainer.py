@@ -10,6 +10,7 @@ from mmrl.config import config_from_dict
 from mmrl.envs import make_task
 from mmrl.policies import build_policy
 from mmrl.rewards import REWARDS, register_reward
+from mmrl.stages import Guidance, PromptReplay, SFTMix
 from mmrl.trainer import Trainer
 
 if "test_digit_share" not in REWARDS:
@@ -134,7 +135,8 @@ def test_prompt_replay_draws_again_the_prompts_whose_groups_differed(tmp_path):
     rewards = first.rewards["total"].reshape(-1, G)
     differing = [p for p, r in zip(prompts, rewards) if r.max() > r.min()]
     assert 0 < len(differing) < len(prompts)  # odd answers differ, even ones are constant
-    assert [c["prompt"] for c in trainer.replay.buffer] == differing
+    replay = trainer.stages.find(PromptReplay)
+    assert [c["prompt"] for c in replay.buffer] == differing
     assert stats["replay/pushed"] == len(differing) and stats["replay/drawn"] == 0
     second, stats = trainer.collect()
     n_replayed = min(4, len(differing))  # round(0.5 * 8), oldest first
@@ -142,12 +144,10 @@ def test_prompt_replay_draws_again_the_prompts_whose_groups_differed(tmp_path):
     assert stats["replay/drawn"] == n_replayed
     # the replayed prompts left the buffer; the ones still informative came back behind the rest
     left = differing[n_replayed:]
-    assert [c["prompt"] for c in trainer.replay.buffer][:len(left)] == left
+    assert [c["prompt"] for c in replay.buffer][:len(left)] == left
 
 
 def test_prompt_replay_buffer_is_a_bounded_fifo():
-    from mmrl.prompt_replay import PromptReplay
-
     replay = PromptReplay(capacity=3)
     replay.push(["a", "b"])
     replay.push(["c", "d"])
@@ -157,7 +157,7 @@ def test_prompt_replay_buffer_is_a_bounded_fifo():
 
 def test_group_contexts_takes_each_selected_groups_context_once(tmp_path):
     from mmrl.rollout import Rollout
-    from mmrl.trainer import group_contexts
+    from mmrl.stages import group_contexts
 
     ids = torch.tensor([7, 5, 7, 5, 9, 9])  # interleaved groups
     rollout = Rollout(group_ids=ids, units=torch.zeros(6, 1), logp_old=torch.zeros(6, 1), max_units=1,
@@ -177,15 +177,16 @@ def test_guidance_adds_the_supervised_loss_of_failed_groups_to_the_update(tmp_pa
     G = trainer.cfg.sampling.group_size
     best = rollout.rewards["total"].reshape(-1, G).amax(1)
     failed = [c["prompt"] for c, b in zip(rollout.contexts[::G], best) if b < 1e-6]
-    assert 0 < len(failed) < 8 and [c["prompt"] for c in trainer.failed_contexts] == failed
+    guided = trainer.stages.find(Guidance).contexts
+    assert 0 < len(failed) < 8 and [c["prompt"] for c in guided] == failed
     assert stats["guide/failed_groups"] == len(failed)
     # the update's gradient is the RL gradient plus 0.5 x the supervised gradient on those prompts
     plain, sft_only = make(), make()
     for t in (plain, sft_only):
         t.policy.model.load_state_dict(trainer.policy.model.state_dict())
-    m = trainer.update(rollout, trainer.failed_contexts)
+    m = trainer.update(rollout)
     plain.update(rollout)
-    (0.5 * sft_only.policy.sft_loss(trainer.failed_contexts)).backward()
+    (0.5 * sft_only.policy.sft_loss(guided)).backward()
     g_guided, g_plain, g_sft = grads(trainer), grads(plain), grads(sft_only)
     assert m["train/guide_loss"] > 0
     for k in g_guided:
@@ -204,7 +205,7 @@ def test_sft_coef_adds_a_fresh_expert_batch_to_every_optimizer_step(tmp_path):
     # The batch the update draws: the trainer's own stream, which a checkpoint carries.
     state = trainer.state_dict()
     probe = np.random.default_rng()
-    probe.bit_generator.state = state["sft_mix_rng"]
+    probe.bit_generator.state = state["stages"]["sft_mix"]["rng"]
     expert = trainer.task.sft_batch(6, probe)
     m = trainer.update(rollout)
     plain.update(rollout)
@@ -214,12 +215,13 @@ def test_sft_coef_adds_a_fresh_expert_batch_to_every_optimizer_step(tmp_path):
     for k in g_mixed:
         assert torch.allclose(g_mixed[k], g_plain[k] + g_sft[k], atol=1e-6, rtol=1e-4), k
     # The stream moved on, and a resumed trainer continues it where the checkpoint left it.
-    assert trainer.sft_mix_rng.bit_generator.state != state["sft_mix_rng"]
+    mix = trainer.stages.find(SFTMix)
+    assert mix.rng.bit_generator.state != state["stages"]["sft_mix"]["rng"]
     trainer.step = 1
     trainer.save()
     resumed = make(sft_coef=0.3)
     resumed.resume()
-    assert resumed.sft_mix_rng.bit_generator.state == trainer.sft_mix_rng.bit_generator.state
+    assert resumed.stages.find(SFTMix).rng.bit_generator.state == mix.rng.bit_generator.state
 
 
 def test_guidance_steps_even_when_filtering_leaves_no_group(tmp_path):
@@ -237,10 +239,10 @@ def test_guidance_steps_even_when_filtering_leaves_no_group(tmp_path):
 def test_guidance_without_targets_is_a_clear_error(tmp_path):
     trainer = build(make_cfg(tmp_path, algo={"guide_below": 2.0}))  # every group "failed"
     rollout, _ = trainer.collect()
-    for c in trainer.failed_contexts:
+    for c in trainer.stages.find(Guidance).contexts:
         del c["target"]
     with pytest.raises(ValueError, match="guide_below.*'target'"):
-        trainer.update(rollout, trainer.failed_contexts)
+        trainer.update(rollout)
 
 
 def test_reused_sampler_logprobs_give_ratio_one(tmp_path):
@@ -299,7 +301,7 @@ def test_lora_trains_only_adapters_and_uses_the_base_as_reference(tmp_path):
 def test_gfpo_gives_zero_advantage_to_filtered_members(tmp_path):
     trainer = build(make_cfg(tmp_path, algo={"gfpo_keep": 3, "gfpo_metric": "shortest"}))
     rollout, _ = trainer.collect()
-    adv = trainer.advantages(rollout)
+    adv, _ = trainer.advantages(rollout)
     for gid in rollout.group_ids.unique():
         rows = rollout.group_ids == gid
         assert int((adv[rows] != 0).sum()) <= 3
@@ -319,7 +321,7 @@ def test_token_weighted_advantages_get_the_rollout_mask(tmp_path, name):
     # rewards spread over every group (a tiny random model's own are mostly 0)
     rewards = rollout.rewards["total"] = torch.rand(len(rollout.lengths), generator=torch.Generator().manual_seed(0))
     expect = compute_advantages(name, rewards, rollout.group_ids, mask=rollout.mask)
-    torch.testing.assert_close(trainer.advantages(rollout), expect)
+    torch.testing.assert_close(trainer.advantages(rollout)[0], expect)
     assert not torch.allclose(expect, compute_advantages(name, rewards, rollout.group_ids))
 
 
@@ -331,7 +333,7 @@ def test_several_epochs_and_mini_batches_clip_off_policy_ratios(tmp_path):
     # After the first optimizer step the policy has moved: later mini-batches see ratios != 1.
     assert m["train/ratio_max"] > 1.0 or m["train/ratio_min"] < 1.0
     assert m["train/clip_frac"] > 0
-    assert trainer.scheduler.last_epoch == 6  # 3 epochs x 2 mini-batches = 6 optimizer steps
+    assert trainer.updater.scheduler.last_epoch == 6  # 3 epochs x 2 mini-batches = 6 optimizer steps
 
 
 def test_entropy_top_frac_restricts_the_policy_gradient_to_high_entropy_tokens(tmp_path, monkeypatch):

@@ -52,7 +52,7 @@ def test_the_unit_budget_comes_from_the_rollout(tmp_path):
     trainer = build(make_cfg(tmp_path, sampling={"max_new_tokens": 6}, train={"grad_clip": 1e9},
                              algo={"loss": "grpo", "loss_params": {"agg": "seq-mean-token-sum-norm"}}))
     rollout, _ = trainer.collect()
-    assert rollout.max_units == 6 and trainer.unit_budget(rollout) == 6
+    assert rollout.max_units == 6 and trainer.updater.unit_budget(rollout) == 6
     state = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
     _, whole = _update(trainer, rollout, state, 0)
     rollout.max_units = 12  # a policy whose units are not tokens sets its own budget

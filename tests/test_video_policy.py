@@ -221,7 +221,7 @@ def test_a_kvpo_step_trains_on_branches_against_their_anchor(tmp_path):
     task, policy = mmrl.build(cfg)
     trainer = Trainer(cfg, policy, task)
     rollout, _ = trainer.collect()
-    adv = trainer.advantages(rollout)
+    adv, _ = trainer.advantages(rollout)
     assert bool((adv[rollout.extras["is_anchor"]] == 0).all())
     total = rollout.rewards["total"].view(-1, 4)
     better = (total[:, 1:] > total[:, :1]).flatten()

@@ -179,8 +179,8 @@ class CaptionTask(TaskBase):
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self, policy, n: int) -> dict[str, float]:
-        """Prism-style judge accuracy on `n` held-out images (see mmrl.evals.caption_eval)."""
-        from mmrl.evals.caption_eval import evaluate_captioner
+        """Prism-style judge accuracy on `n` held-out images (see mmrl.envs.captioning.evaluation)."""
+        from mmrl.envs.captioning.evaluation import evaluate_captioner
 
         metrics, _ = evaluate_captioner(policy, self.eval_batch(n), self.judge, k=self.eval_k,
                                         max_questions=self.eval_questions or None)

@@ -133,6 +133,8 @@ def build_state_graph(layout: Layout) -> StateGraph:
 
 @register_task("planning")
 class PlanningTask(TaskBase):
+    REPORT = "planning"
+
     def __init__(self, seed: int = 0, env: str = "frozenlake", sizes: list[int] | tuple[int, ...] = (3, 4, 5),
                  n_train: int = 1000, n_test: int = 100, cell_size: int = 16,
                  sft_mode: Literal["random_walk", "optimal"] = "random_walk", paper_split: str | None = None,
@@ -388,17 +390,6 @@ class PlanningTask(TaskBase):
         self.eval_cpu_s += time.process_time() - t0
         return out
 
-    def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None):
-        """`mmrl eval` on a planner: the paper's Table-1 report (EM / PR per split and level, the
-        em_pr plot, plan GIFs) of `checkpoint`; splits default to test, ood and (when
-        `paper_split` is set) paper."""
-        from mmrl.evals.planning_eval import report_checkpoint
-
-        if not hasattr(policy, "plan"):  # the one-shot text planner has no closed-loop plans
-            return super().evaluate_checkpoint(cfg, policy, checkpoint, output, splits)
-        splits = splits or ["test", "ood", *(["paper"] if self.paper_split_path else [])]
-        return report_checkpoint(cfg, self, policy, checkpoint, out=output, splits=splits)
-
     def training_cpu_s(self, cpu_s: float) -> float:
         """`cpu_s` (process time of a training call on this task) without the time spent in `evaluate`."""
         return max(cpu_s - self.eval_cpu_s, 0.0)
@@ -409,12 +400,3 @@ class PlanningTask(TaskBase):
         return headline_rows(before, after, [("exact match (EM)", "eval/exact_match", ".1%"),
                                              ("progress rate (PR)", "eval/progress_rate", ".1%")])
 
-    def summarize(self, results: dict[str, Any], out_dir: str, cpu_s: float | None = None) -> str:
-        """The held-out table before RL (after SFT) and after it, written to out_dir/before_after.md
-        (and .json) and returned for printing. `cpu_s`: process time of the whole training call;
-        the time spent in `evaluate` is taken out of it."""
-        from mmrl.evals.planning_eval import ENV_TITLES, write_before_after
-
-        train_cpu = None if cpu_s is None else self.training_cpu_s(cpu_s)
-        return write_before_after(results, out_dir, train_cpu, title=f"{ENV_TITLES[self.env]}, held-out "
-                                  f"{'/'.join(f'{s}x{s}' for s in self.sizes)}")

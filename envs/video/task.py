@@ -39,6 +39,8 @@ NOT_REWARDS = ("eval/total", "eval/len_mean", "eval/temporal_consistency")
 
 @register_task("video")
 class VideoTask(TaskBase):
+    REPORT = "video"
+
     def __init__(self, seed: int = 0, data_seed: int = 0, num_frames: int = 8, image_size: int = 16,
                  holdout: int | float = 0, n_sft: int = 2000, eval_repeats: int = 2, prompt_file: str | None = None,
                  eval_prompts: int = 8, sft_recolour: float = 0.0):
@@ -141,32 +143,6 @@ class VideoTask(TaskBase):
                             and not k.startswith("eval/sampled_") and isinstance(after[k], float))
         return headline_rows(before, after, [("held-out reward (total)", "eval/total", ".3f")]
                              + [(f"{k[5:].removeprefix('video_')} reward", k, ".3f") for k in components])
-
-    def summarize(self, results: dict[str, Any], out_dir: str, cpu_s: float | None = None) -> str:
-        """The held-out metrics the headline leaves out (temporal consistency, sampled rewards),
-        before -> after, and the before / after video grid."""
-        before, after = results.get("eval_before") or {}, results.get("eval_after") or {}
-        shown = {row.key for row in self.headline(before, after)} | {"eval/len_mean"}
-        keys = sorted(k for k in after if k.startswith("eval/") and k in before and k not in shown
-                      and isinstance(after[k], float))
-        lines = []
-        if keys:
-            lines = ["| other held-out metric | before | after |", "| --- | ---: | ---: |"]
-            lines += [f"| {k[5:]} | {before[k]:.3f} | {after[k]:.3f} |" for k in keys]
-        if self.eval_videos:  # the same prompts and initial noise at the first and the last evaluation
-            from mmrl.evals.video_eval import write_grid
-
-            rows = {"before": self.eval_videos[0], "after": self.eval_videos[-1]} if len(self.eval_videos) > 1 \
-                else {"after": self.eval_videos[-1]}
-            gif, _ = write_grid(Path(out_dir) / "videos_before_after", rows, self.shown_prompts)
-            lines += [""] * bool(lines) + [f"Videos before / after (same prompts and noise): {gif}"]
-        return "".join(line + "\n" for line in lines)
-
-    def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None):
-        from mmrl.evals.video_eval import report_checkpoint
-
-        return report_checkpoint(cfg, self, policy, checkpoint, output, splits)
-
 
 def recolour_clips(clips: np.ndarray, specs: list, share: float, rng: np.random.Generator) -> np.ndarray:
     """Repaint about `share` of the clips (uint8 [N, F, H, W, 3], in place) in the palette colour

@@ -141,6 +141,8 @@ def _open(path) -> np.ndarray:
 
 @register_task("vqa")
 class VQATask(TaskBase):
+    REPORT = "vqa"
+
     def __init__(self, seed: int = 0, source: str = "synthetic", data_seed: int = 0,
                  categories: list[str] | tuple[str, ...] | None = None, difficulties: list[int] | tuple[int, ...] = (1, 2),
                  ood_difficulty: int | None = 3, n_train: int = 2000, n_test: int = 200, n_ood: int = 100,
@@ -350,13 +352,6 @@ class VQATask(TaskBase):
             out[f"mean@{k}"] = float(sampled.mean())
             out[f"pass@{k}"] = float(sampled.max(1).mean())
         return out
-
-    def evaluate_checkpoint(self, cfg, policy, checkpoint, output=None, splits=None):
-        """`mmrl eval`: the accuracy report of `checkpoint` (JSON + Markdown, the accuracy-by-step
-        plot, an HTML page of sample replies with their images)."""
-        from mmrl.evals.vqa_eval import report_checkpoint
-
-        return report_checkpoint(cfg, self, policy, checkpoint, out=output, splits=splits)
 
     def headline(self, before: dict[str, Any], after: dict[str, Any]) -> list:
         """Held-out greedy accuracy and the mean accuracy of k sampled replies (`evaluate`'s
