@@ -104,7 +104,8 @@ def run_config(model: str) -> tuple[Any, Path, str]:
     """(run config, folder whose weights are evaluated, the run's name) for `--model`: a run folder (its
     newest checkpoint), a step_NNNNNN checkpoint, or a policy's saved folder (a run's final/); the
     config is the run's own config.yaml, the device `auto`."""
-    from mmrl.checkpoint import RUN_CONFIG, eval_config, resolve_checkpoint, run_dir_of
+    from mmrl.checkpoint import RUN_CONFIG, resolve_checkpoint, run_dir_of
+    from mmrl.config import eval_config
     from mmrl.evals.vla_eval import saved_policy_kind
 
     path = Path(model).expanduser()

@@ -74,7 +74,7 @@ def load_policy(model: str, device: str, dtype: str, max_new_tokens: int, engine
     local = Path(model).expanduser()
     if local.is_dir() and not (local / "config.json").is_file() and (run_dir_of(local) / RUN_CONFIG).is_file():
         from mmrl.assemble import build
-        from mmrl.checkpoint import eval_config
+        from mmrl.config import eval_config
 
         cfg = eval_config(local, None, [f"train.device={_device(device)}", f"sampling.max_new_tokens={max_new_tokens}",
                                         "rollout.engine=hf"])  # --engine decides, not the run's training setting

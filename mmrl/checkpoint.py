@@ -303,7 +303,7 @@ def _is_tied(model: torch.nn.Module, key: str) -> bool:
 # ------------------------------------------------------------------ one run per folder
 
 
-def _plain(data: Any) -> Any:
+def plain_config(data: Any) -> Any:
     return json.loads(json.dumps(data))  # tuples -> lists, as the YAML snapshot reads back
 
 
@@ -317,7 +317,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _differences(old: dict[str, Any], new: dict[str, Any], allowed) -> str:
+def config_differences(old: dict[str, Any], new: dict[str, Any], allowed) -> str:
     """"key: old -> new; ..." for the keys of two nested config dicts that differ and `allowed(key)`
     does not accept (at most three shown), or "" when there are none."""
     old, new = _flatten(old), _flatten(new)
@@ -330,13 +330,15 @@ def _differences(old: dict[str, Any], new: dict[str, Any], allowed) -> str:
 def check_same_run(cfg) -> None:
     """Refuse to resume the run in `cfg.train.output_dir` when it was started with a config that
     differs from `cfg` in anything but run length (`RUN_LENGTH_KEYS`): that is another run."""
-    from mmrl.config import RUN_LENGTH_KEYS, RunMismatchError
+    from mmrl.config_checks import RunMismatchError
+    from mmrl.run_config import RUN_LENGTH_KEYS
 
     run_dir = Path(cfg.train.output_dir)
     saved = run_dir / RUN_CONFIG
     if not saved.is_file() or not any((run_dir / "checkpoints").glob("step_*")):
         return
-    diff = _differences(read_run_config(run_dir, fill=False), _plain(cfg.to_dict()), RUN_LENGTH_KEYS.__contains__)
+    diff = config_differences(read_run_config(run_dir, fill=False), plain_config(cfg.to_dict()),
+                              RUN_LENGTH_KEYS.__contains__)
     if diff:
         raise RunMismatchError(f"{run_dir} holds a run started with another config ({diff}); "
                                f"give this one its own folder (train.output_dir=DIR) or discard that run "
@@ -347,48 +349,21 @@ def read_run_config(run_dir: str | Path, fill: bool = True) -> dict[str, Any]:
     """The resolved config `run_dir` was started with (its config.yaml): as written, or with `fill`
     checked against this mmrl's keys and every key filled in (not validated: a device it names may
     be one this machine lacks, which eval may override). A damaged file is one CheckpointError line."""
-    from mmrl.config import ConfigError, RunConfig, build_dataclass, read_config_file
+    from mmrl.config_checks import ConfigError, build_dataclass
+    from mmrl.run_config import RunConfig, read_config_file
 
     saved = Path(run_dir) / RUN_CONFIG
     try:
         data = read_config_file(saved)
-        return _plain(build_dataclass(RunConfig, data).to_dict()) if fill else data
+        return plain_config(build_dataclass(RunConfig, data).to_dict()) if fill else data
     except ConfigError as exc:
         raise CheckpointError(f"the run's config cannot be read: {exc} ({saved} is the config {run_dir} was "
                               f"started with; restore it, or remove it)") from None
 
 
-def eval_config(checkpoint: str | Path, config: str | Path | None = None, overrides: list[str] | None = None):
-    """The config `mmrl eval` evaluates `checkpoint` (a run folder or a checkpoint in one) with: the
-    run folder's own config.yaml, the resolved config the run was started with, with `overrides` on
-    top. A `config` file given as well must agree with the run's on every key the weights were
-    trained with (all but `mmrl.config.is_eval_key`); it is then used, with the overrides, as given.
-    A run folder without config.yaml (written before mmrl kept one) needs `config`."""
-    from mmrl.config import RunMismatchError, apply_overrides, config_from_dict, is_eval_key, load_config
-
-    run_dir = run_dir_of(checkpoint)
-    if not (run_dir / RUN_CONFIG).is_file():
-        if config is None:
-            raise CheckpointError(f"{run_dir} has no {RUN_CONFIG} (the config a run folder is started with); give "
-                                  f"the config it was trained with: mmrl eval CONFIG --checkpoint {checkpoint}")
-        return load_config(config, overrides)
-    run = read_run_config(run_dir)
-    if config is not None:
-        cfg = load_config(config, overrides)
-        diff = _differences(run, _plain(cfg.to_dict()), lambda key: is_eval_key(key, run["task"]["name"]))
-        if diff:
-            raise RunMismatchError(f"{config} is not the config {run_dir} was trained with ({diff}); drop the "
-                                   f"CONFIG argument: `mmrl eval --checkpoint {checkpoint}` evaluates with the run's "
-                                   f"own {RUN_CONFIG} (overrides, e.g. train.eval_size=N, still apply)")
-    else:
-        cfg = config_from_dict(apply_overrides(run, overrides or []))
-    cfg.train.output_dir = str(run_dir)  # the evaluation belongs to the checkpoint's run, wherever it now lies
-    return cfg
-
-
 def write_run_config(cfg) -> None:
     atomic_write_text(Path(cfg.train.output_dir) / RUN_CONFIG,
-                      yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
+                      yaml.safe_dump(plain_config(cfg.to_dict()), sort_keys=False))
 
 
 def discard_run(run_dir: str | Path) -> bool:

@@ -85,7 +85,7 @@ def launch(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from mmrl.checkpoint import eval_config
+    from mmrl.config import eval_config
 
     if args.compare or args.benchmark:
         return cmd_benchmark(args)
@@ -129,12 +129,17 @@ def cmd_fetch_assets(args) -> int:
 
 def cmd_algos(args) -> int:
     from mmrl.algos import list_algorithms
+    from mmrl.stages import list_stages
 
     for kind, rows in list_algorithms().items():
         print(f"{kind}:")
         for name, citation, *rest in rows:
             desc = rest[0] if rest else ""
             print(f"  {name:<16} {citation:<28} {desc}")
+    print("stages (algo.stages: [{name: ..., <fields>}]; docs/architecture.md):")
+    for name, kinds, fields, summary in list_stages():
+        print(f"  {name:<20} {kinds:<36} {summary}")
+        print(f"  {'':<20} fields: {fields or '(none)'}")
     return 0
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from mmrl import distributed
-from mmrl.config import RunConfig
+from mmrl.run_config import RunConfig
 from mmrl.distributed import Dist
 from mmrl.rewards import Reward, RewardFailure, build_reward
 from mmrl.rollout import Rollout

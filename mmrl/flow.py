@@ -78,9 +78,6 @@ __all__ = [
     "gaussian_kl",
     "gaussian_logprob",
     "ode_step",
-    "recompute_logprobs",
-    "sample_ode",
-    "sample_sde",
     "sde_step",
 ]
 
@@ -176,81 +173,6 @@ def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor | 
     kl = (mean - mean_ref.detach()).pow(2) / (2 * std.pow(2))
     dims = tuple(range(1, mean.dim())) if reduce_dims is None else tuple(reduce_dims)
     return kl.mean(dims) if dims else kl
-
-
-def _check_timesteps(timesteps: torch.Tensor) -> torch.Tensor:
-    timesteps = torch.as_tensor(timesteps)
-    if timesteps.dim() != 1 or timesteps.numel() < 2:
-        raise ValueError(f"timesteps must be a 1-D tensor of K + 1 >= 2 times, got shape {tuple(timesteps.shape)}")
-    if bool((timesteps[1:] >= timesteps[:-1]).any()):
-        raise ValueError(f"timesteps must decrease strictly (1 -> 0), got {timesteps.tolist()}")
-    return timesteps
-
-
-def _time_batch(t: torch.Tensor, B: int, x: torch.Tensor) -> torch.Tensor:
-    return t.to(device=x.device, dtype=x.dtype).expand(B)
-
-
-def sample_ode(velocity_fn: VelocityFn, x_T: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-    """Plain Euler integration from x_T at timesteps[0] to timesteps[-1] (the reference sampler)."""
-    timesteps = _check_timesteps(timesteps)
-    x = x_T
-    for k in range(timesteps.numel() - 1):
-        t, t_next = timesteps[k], timesteps[k + 1]
-        x = ode_step(x, velocity_fn(x, _time_batch(t, x.shape[0], x)), float(t_next - t))
-    return x
-
-
-def sample_sde(velocity_fn: VelocityFn, x_T: torch.Tensor, timesteps: torch.Tensor, eta: float,
-               generator: torch.Generator | None = None, noise_schedule: str = "flow_grpo"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample with the SDE: returns the states [B, K+1, ...] (x_T first, the sample last) and the
-    per-step log-probs [B, K] of each transition. Runs under the caller's grad mode; a sampler
-    normally wraps it in `torch.no_grad()`."""
-    timesteps = _check_timesteps(timesteps)
-    x, states, logps = x_T, [x_T], []
-    for k in range(timesteps.numel() - 1):
-        t, t_next = timesteps[k], timesteps[k + 1]
-        v = velocity_fn(x, _time_batch(t, x.shape[0], x))
-        x, mean, std = sde_step(x, v, float(t), float(t_next - t), eta, generator=generator,
-                                noise_schedule=noise_schedule)
-        logps.append(gaussian_logprob(x, mean, std))
-        states.append(x)
-    return torch.stack(states, 1), torch.stack(logps, 1)
-
-
-def recompute_logprobs(velocity_fn: VelocityFn, states: torch.Tensor, timesteps: torch.Tensor, eta: float,
-                       batched: bool = False, noise_schedule: str = "flow_grpo") -> torch.Tensor:
-    """Teacher-forced log-probs [B, K] of the transitions states[:, k] -> states[:, k+1], with the
-    gradient flowing through `velocity_fn`.
-
-    `batched=False` calls velocity_fn once per step on B rows (the sampler's batch layout).
-    `batched=True` makes one call on B*K rows, sample-major (row b*K + k is sample b at step k), so
-    per-sample conditioning expands with `repeat_interleave(K)`."""
-    timesteps = _check_timesteps(timesteps).to(states.device)
-    K = timesteps.numel() - 1
-    if states.dim() < 2 or states.shape[1] != K + 1:
-        raise ValueError(f"states must be [B, K+1={K + 1}, ...], got shape {tuple(states.shape)}")
-    B = states.shape[0]
-    t, dt = timesteps[:-1], timesteps[1:] - timesteps[:-1]
-    if batched:
-        x = states[:, :-1].reshape(B * K, *states.shape[2:])
-        t_rows, dt_rows = t.repeat(B).to(x.dtype), dt.repeat(B).to(x.dtype)
-        v = velocity_fn(x, t_rows)
-        _, mean, std = sde_step(x, v, t_rows, dt_rows, eta, noise=torch.zeros_like(x), noise_schedule=noise_schedule)
-        x_next = states[:, 1:].reshape(B * K, *states.shape[2:])
-        return gaussian_logprob(x_next, mean, std).view(B, K)
-    out = []
-    for k in range(K):
-        x = states[:, k]
-        v = velocity_fn(x, _time_batch(t[k], B, x))
-        _, mean, std = sde_step(x, v, float(t[k]), float(dt[k]), eta, noise=torch.zeros_like(x),
-                                noise_schedule=noise_schedule)
-        out.append(gaussian_logprob(states[:, k + 1], mean, std))
-    return torch.stack(out, 1)
-
-
-# ----------------------------------------------------------------------------- diffusion chains (DPPO)
 
 
 def diffusion_chain(scheduler, num_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

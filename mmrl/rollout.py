@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mmrl.config import LOGPROB_CHUNK_LOGITS
+from mmrl.run_config import LOGPROB_CHUNK_LOGITS
 
 
 @dataclass

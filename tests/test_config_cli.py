@@ -88,6 +88,10 @@ def test_cli_lists_algorithms_with_citations(capsys):
         line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
         assert cite in line
     assert not any(line.strip().startswith("gae ") for line in out.splitlines())  # no value head is trained
+    # the stages, each with its kind, paper and fields
+    line = next(line for line in out.splitlines() if line.strip().startswith("dynamic_sampling "))
+    assert "RolloutStage" in line and "2503.14476" in line
+    assert "fields: keep=1, metric='shortest'" in out and "RolloutStage/AuxiliaryLoss" in out
 
 
 def test_parse_overrides_nests():

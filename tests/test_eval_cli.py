@@ -54,7 +54,7 @@ def test_the_rebuilt_tokenizer_has_the_training_vocabulary(run):
     from transformers import AutoTokenizer
 
     import mmrl
-    from mmrl.checkpoint import eval_config
+    from mmrl.config import eval_config
 
     torch.set_num_threads(1)
     _, policy = mmrl.build(eval_config(run))

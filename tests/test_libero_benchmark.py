@@ -140,7 +140,7 @@ def test_vla_eval_loads_the_diffusion_policys_saved_folder(tmp_path):
     """final/ of a Diffusion Policy run holds lerobot's model.safetensors, like a checkpoint: it used
     to be taken for one (and refused for lacking trainer_state.pt)."""
     pytest.importorskip("lerobot")
-    from mmrl.checkpoint import eval_config
+    from mmrl.config import eval_config
     from mmrl.config import load_config
     from mmrl.evals.vla_eval import load_saved_policy, saved_policy_kind
     from mmrl.policies.vla.modeling_diffusion import DiffusionActionPolicy

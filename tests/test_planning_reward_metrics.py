@@ -20,7 +20,7 @@ from mmrl.envs.planning import (
 from mmrl.envs.planning import frozenlake, minibehavior
 from mmrl.envs.planning.grid import WALL_BITS
 from mmrl.envs.planning.metrics import breakdown_by, evaluate_plans, evaluate_plans_by_level, plan_outcomes
-from mmrl.rewards.planning import (
+from mmrl.envs.planning.judge import (
     StepKind,
     classify_steps,
     plan_reward,

@@ -18,7 +18,7 @@ from mmrl.policies import build_policy
 from mmrl.policies.fast_decode import FastDecoder, _rotate
 from mmrl.policies.qwen_vl import QwenVLPolicy, rope_positions, vision_inputs
 from mmrl.rewards import REWARDS, get_reward, register_reward
-from mmrl.rewards.planning_text import parse_actions
+from mmrl.envs.planning.text_plan import parse_actions
 from mmrl.rollout import Rollout
 from mmrl.tiny import QWEN_VL_ARCHS, build_qwen_vl_processor, build_tiny_qwen_vl, build_tokenizer
 from mmrl.trainer import Trainer

@@ -9,7 +9,7 @@ import torch
 
 from mmrl.policies.base import repeat_rows
 from mmrl.policies.fast_decode import causal_body
-from mmrl.policies.qwen_vl import QwenVLPolicy, _rope_owner, distinct_images, rope_positions, vision_inputs
+from mmrl.policies.qwen_vl import QwenVLPolicy, rope_owner, distinct_images, rope_positions, vision_inputs
 from mmrl.rollout import head_logprobs
 from mmrl.tiny import QWEN_VL_ARCHS, build_qwen_vl_processor, build_tiny_qwen_vl, build_tokenizer
 
@@ -82,7 +82,7 @@ class _VisionSpy:
 
     def __init__(self, model):
         self.calls, self.patches = 0, 0
-        self.handle = _rope_owner(model).visual.register_forward_pre_hook(self._hook)
+        self.handle = rope_owner(model).visual.register_forward_pre_hook(self._hook)
 
     def _hook(self, module, args):
         self.calls += 1

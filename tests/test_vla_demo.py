@@ -89,7 +89,7 @@ def test_bad_params_name_the_value():
 def test_position_jitter_reaches_the_envs_and_keys_the_demo_cache():
     from mmrl.envs.tabletop import sample_init_state
 
-    from mmrl.envs.episodes import init_ids
+    from mmrl.episodes import init_ids
 
     with pytest.raises(ValueError, match="task.params.position_jitter"):
         make_task("tabletop", seed=0, position_jitter=0.5)
@@ -118,7 +118,7 @@ def test_position_jitter_reaches_the_envs_and_keys_the_demo_cache():
 def test_next_training_batch_is_reset_while_the_policy_trains():
     """After a training rollout, the task's env factory starts the workers' resets to the next
     batch's states (what the trainer's next `next_batch` returns); eval rollouts prefetch nothing."""
-    from mmrl.envs.episodes import init_ids
+    from mmrl.episodes import init_ids
 
     task = make_task("tabletop", seed=0, n_train=5, n_eval=2, num_workers=1, image_size=16)
     G = 2

@@ -70,7 +70,7 @@ def test_task_contexts_and_targets():
         assert (c["state"] == c["layout"].start_state()).all()
         assert c["layout"].dist_of(c["target_state"]) == c["optimal_length"] - 1
     # random-walk SFT targets are valid moves (one cell, never a hole), not always optimal
-    from mmrl.rewards.planning import step_rewards
+    from mmrl.envs.planning.judge import step_rewards
 
     ctx = task.sft_batch(200, np.random.default_rng(1))
     r = step_rewards(np.stack([c["state"] for c in ctx]), np.stack([c["target_state"] for c in ctx]),

@@ -3,7 +3,8 @@
 Symbolic core in :mod:`.grid`, per-task generators in :mod:`.frozenlake`, :mod:`.maze`,
 :mod:`.minibehavior`, pictures and the frame parser in :mod:`.render`, seeded splits and the
 paper's test split in :mod:`.splits`, gymnasium wrappers in :mod:`.gym_env` (imported lazily so
-the rest works without gymnasium). Rewards: :mod:`mmrl.rewards.planning`; metrics:
+the rest works without gymnasium). The step judge (the VPRL reward) in :mod:`.judge`, text plans in
+:mod:`.text_plan`; metrics:
 :mod:`.metrics`.
 """
 

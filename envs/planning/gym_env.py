@@ -4,7 +4,7 @@
 the symbolic ones of :mod:`.grid` (gymnasium-compatible FrozenLake). Reward modes:
 
 * ``"progress"`` (default): the VPRL step reward of the transition (+1 / 0 / -5, see
-  :mod:`mmrl.rewards.planning`); bumping into a wall is a no-op and scores -5, a hole -5;
+  :mod:`.judge`); bumping into a wall is a no-op and scores -5, a hole -5;
 * ``"sparse"``: gymnasium's FrozenLake reward, 1.0 on reaching the goal, else 0.
 """
 
@@ -103,7 +103,7 @@ class PlanningEnv(gym.Env):
             reward = float(terminated and self.layout.is_goal(self.state) and not self.layout.is_goal(prev))
             kind = None
         else:
-            from mmrl.rewards.planning import classify_steps
+            from .judge import classify_steps
 
             j = classify_steps(prev[None], self.state[None], [self.layout])
             reward, kind = float(j.reward[0]), int(j.kind[0])
@@ -189,7 +189,7 @@ class BatchPlanningEnv:
         if self.reward_mode == "sparse":
             reward = (success & valid).astype(np.float32)
         else:
-            from mmrl.rewards.planning import step_rewards
+            from .judge import step_rewards
 
             reward = step_rewards(prev, nxt, self.pack)
         self.states = nxt

@@ -1,7 +1,7 @@
 """VPRL planning metrics: Exact Match, Progress Rate, success and the invalid-move share.
 
 A plan is the sequence of states from the start (parsed from generated frames, or symbolic), the
-start state first. Steps are judged by :func:`mmrl.rewards.planning.plan_step_rewards`; a plan ends
+start state first. Steps are judged by :func:`.judge.plan_step_rewards`; a plan ends
 at the step that reaches the goal or at its first invalid step.
 
 * **Exact Match (EM)**: the plan reaches the goal with all steps valid in exactly the optimal
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from mmrl.envs.planning.grid import Layout
-from mmrl.rewards.planning import StepKind, plan_reward, plan_step_rewards
+from .judge import StepKind, plan_reward, plan_step_rewards
 
 
 @dataclass(frozen=True)

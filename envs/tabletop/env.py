@@ -122,7 +122,7 @@ class TabletopEnv(gym.Env):
         return self._obs(), self._info()
 
     def step(self, action):
-        self._act(action)
+        self.apply_action(action)
         obs = self._obs()
         return obs, *self._outcome()
 
@@ -133,7 +133,7 @@ class TabletopEnv(gym.Env):
         total, executed = 0.0, 0
         terminated = truncated = False
         for a in actions:
-            self._act(a)
+            self.apply_action(a)
             executed += 1
             r, terminated, truncated, _ = self._outcome()
             total += r
@@ -223,7 +223,8 @@ class TabletopEnv(gym.Env):
         self.init_state, self.instruction = s, s.instruction
         self.elapsed_steps, self._success = 0, False
 
-    def _act(self, action) -> None:
+    def apply_action(self, action) -> None:
+        """The physics of one control step under `action` (no observation rendered)."""
         if self.init_state is None:
             raise RuntimeError("call reset() before step()")
         a = np.asarray(action, dtype=np.float64).reshape(-1)

@@ -160,7 +160,7 @@ def run_expert(env: TabletopEnv, seed: int, expert: Expert | None = None, **rese
     env.reset(seed=seed, options=reset_options or None)
     expert.reset()
     for t in range(env.max_episode_steps):
-        env._act(expert.act(env))  # physics only: no camera work when nobody looks
+        env.apply_action(expert.act(env))  # physics only: no camera work when nobody looks
         if env.success:
             return True, t + 1
     return False, env.max_episode_steps

@@ -30,8 +30,6 @@ from .shaping import (
     redit,
     success_rate_filter,
 )
-from . import offline
-from .offline import dpo_loss, kto_loss, opd_advantages, rpo_loss
 from .perception import mask_patches, perception_kl
 from .calibration import certainty_token_weights, visual_certainty
 from .correction import CORRECTIONS, CORRECTION_LEVELS, mismatch_weights
@@ -50,7 +48,6 @@ __all__ = [
     "certainty_token_weights",
     "aggregate",
     "compute_advantages",
-    "dpo_loss",
     "failed_groups",
     "get_advantage_spec",
     "get_loss_spec",
@@ -58,23 +55,19 @@ __all__ = [
     "gfpo_keep",
     "high_entropy_tokens",
     "kl_penalty",
-    "kto_loss",
     "list_algorithms",
     "make_groups",
     "mask_patches",
     "mask_truncated",
     "mismatch_weights",
     "nonconstant_groups",
-    "offline",
     "one_row_per_group",
-    "opd_advantages",
     "overlong_penalty",
     "perception_kl",
     "policy_loss",
     "redit",
     "register_advantage",
     "register_loss",
-    "rpo_loss",
     "shaping",
     "success_rate_filter",
     "visual_certainty",

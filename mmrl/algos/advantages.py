@@ -68,7 +68,7 @@ class Groups:
 
     def std(self, x: Tensor) -> Tensor:
         """Unbiased (n-1) std per group [G]; 0 for groups of one."""
-        return _sqrt(self.centred(x)[1])
+        return safe_sqrt(self.centred(x)[1])
 
     def amax(self, x: Tensor) -> Tensor:
         out = torch.full((self.num_groups,), float("-inf"), dtype=x.dtype, device=x.device)
@@ -83,7 +83,7 @@ class Groups:
         return self.gather(self.amax(x) == self.amin(x))
 
 
-def _sqrt(v: Tensor) -> Tensor:
+def safe_sqrt(v: Tensor) -> Tensor:
     """sqrt of a variance. Clamped at the smallest normal float: sqrt(0) runs ~10x slower on some
     CPUs, and sqrt(tiny) ~ 1e-19 vanishes next to the 1e-6 eps it is added to."""
     return v.clamp_min(torch.finfo(v.dtype).tiny).sqrt_()
@@ -195,7 +195,7 @@ def compute_advantages(name: str, rewards: Tensor, group_ids: Tensor, **params: 
 
 def _zscore(r: Tensor, g: Groups, eps: float) -> Tensor:
     dev, var = g.centred(r)  # dev is exactly 0 in constant groups and groups of one
-    return dev / g.gather(_sqrt(var).add_(eps))
+    return dev / g.gather(safe_sqrt(var).add_(eps))
 
 
 @register_advantage("grpo", citation="2402.03300")
@@ -280,7 +280,7 @@ def mapo_advantage(
 ) -> Tensor:
     """MAPO: (1-lam(p))*z-score + lam(p)*(R-mean)/mean, lam(p) = 1-4p(1-p), p = group success rate."""
     dev, var = groups.centred(rewards)
-    z = dev / groups.gather(_sqrt(var).add_(eps))
+    z = dev / groups.gather(safe_sqrt(var).add_(eps))
     mean = rewards - dev
     apd = dev / (mean + eps)  # advantage percent deviation
     p = groups.gather(groups.mean((rewards >= success_threshold).to(rewards.dtype)))

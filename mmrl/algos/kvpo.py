@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .advantages import Groups, _sqrt, make_groups
+from .advantages import Groups, make_groups, safe_sqrt
 from .registry import AlgorithmError, check_finite, register_advantage
 
 __all__ = [
@@ -301,7 +301,7 @@ def _fusion_normalise(a: Tensor, branch: Tensor, groups: Groups, mode: str) -> T
     cnt = groups.sum(branch.to(a.dtype)).clamp_min(1)
     mean = groups.gather(groups.sum(torch.where(branch, a, zero)) / cnt)
     d = torch.where(branch, a - mean, zero)
-    std = groups.gather(_sqrt(groups.sum(d * d) / cnt))
+    std = groups.gather(safe_sqrt(groups.sum(d * d) / cnt))
     flat = std <= SIGMA_EPS  # T: a (near-)constant signal is left unscaled
     if mode == "std":
         return torch.where(flat, a, a / (std + SIGMA_EPS))

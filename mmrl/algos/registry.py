@@ -1,5 +1,4 @@
-"""Name -> function registries for advantage estimators, policy losses, KL estimators and
-offline losses.
+"""Name -> function registries for advantage estimators, policy losses and KL estimators.
 
 Every name a user can put in a config lives in one of these tables, so the CLI can list them
 (`list_algorithms`) and a typo fails early with the full list of valid names.
@@ -19,7 +18,6 @@ __all__ = [
     "register_loss",
     "register_advantage",
     "register_kl",
-    "register_offline",
     "get_loss_spec",
     "get_advantage_spec",
     "get_kl_spec",
@@ -100,7 +98,6 @@ _LOSSES: dict[str, LossSpec] = {}
 _LOSS_ALIASES: dict[str, str] = {}
 _ADVANTAGES: dict[str, AdvantageSpec] = {}
 _KL: dict[str, SimpleSpec] = {}
-_OFFLINE: dict[str, SimpleSpec] = {}
 
 
 def _first_doc_line(fn: Callable[..., Any] | None) -> str:
@@ -189,15 +186,6 @@ def register_kl(name: str, *, citation: str, description: str | None = None):
     return deco
 
 
-def register_offline(name: str, *, citation: str, description: str | None = None):
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _check_new_name(name, _OFFLINE, "offline loss")
-        _OFFLINE[name] = SimpleSpec(name, fn, citation, description or _first_doc_line(fn))
-        return fn
-
-    return deco
-
-
 def get_loss_spec(name: str) -> LossSpec:
     """The registered spec of loss `name` (aliases resolve to their target)."""
     key = _LOSS_ALIASES.get(name, name) if isinstance(name, str) else name
@@ -222,7 +210,7 @@ def get_kl_spec(name: str) -> SimpleSpec:
 
 
 def list_algorithms() -> dict[str, list[tuple[str, str, str]]]:
-    """`{kind: [(name, citation, description), ...]}` for kinds advantage, loss, kl, offline.
+    """`{kind: [(name, citation, description), ...]}` for kinds advantage, loss, kl.
 
     Loss aliases appear as their own rows ("alias of X").
     """
@@ -234,7 +222,6 @@ def list_algorithms() -> dict[str, list[tuple[str, str, str]]]:
         "advantage": sorted((s.name, s.citation, s.description) for s in _ADVANTAGES.values()),
         "loss": sorted(losses),
         "kl": sorted((s.name, s.citation, s.description) for s in _KL.values()),
-        "offline": sorted((s.name, s.citation, s.description) for s in _OFFLINE.values()),
     }
 
 
@@ -265,14 +252,3 @@ def as_bool_mask(mask: Any, shape: Any, name: str = "mask") -> Any:
     if tuple(mask.shape) != tuple(shape):
         raise AlgorithmError(f"{name} has shape {tuple(mask.shape)}, expected {tuple(shape)}")
     return mask if mask.dtype == torch.bool else mask != 0
-
-
-def paired_mask(ref_name: str, ref: Any, name: str, x: Any, mask: Any) -> Any:
-    """The bool mask of [N,T] `ref` and `x`, once `x` is checked to have ref's shape and both to be
-    finite where the mask is set (the checks of a per-token input paired with another)."""
-    if x.shape != ref.shape:
-        raise AlgorithmError(f"{name} has shape {tuple(x.shape)}, expected {tuple(ref.shape)} like {ref_name}")
-    m = as_bool_mask(mask, ref.shape)
-    check_finite(ref_name, ref, m)
-    check_finite(name, x, m)
-    return m

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.config import check_names
+from mmrl.config_checks import check_names
 from mmrl.rollout import Rollout, unit_spans
 
 

@@ -64,7 +64,7 @@ def _to_image(x: Any, where: str):
     raise TypeError(f"{where}: expected a uint8 HxWx3 array, a PIL image or a path, got {type(x).__name__}")
 
 
-def _rope_owner(model: nn.Module) -> nn.Module:
+def rope_owner(model: nn.Module) -> nn.Module:
     """The inner Qwen-VL model that owns `get_rope_index` (through a PEFT wrapper too)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for m in (base, getattr(base, "model", None)):
@@ -76,7 +76,7 @@ def _rope_owner(model: nn.Module) -> nn.Module:
 def rope_positions(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
     """The model's 3-D mRoPE position ids [3, B, S] of left-padded sequences (pads get 0)."""
-    pos, _ = _rope_owner(model).get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
+    pos, _ = rope_owner(model).get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
                                                image_grid_thw=image_grid_thw, attention_mask=attention_mask)
     return pos
 
@@ -318,7 +318,7 @@ class QwenVLPolicy(TextPolicyBase):
                                                 params.get("max_image_tokens", 16))
             model = build_tiny_qwen_vl(tokenizer, arch, seed=cfg.train.seed, **m.tiny).to(dtype)
         if params.pop("freeze_vision", False):
-            _rope_owner(model).visual.requires_grad_(False)
+            rope_owner(model).visual.requires_grad_(False)
         # The default LoRA targets (q_proj, ...) name only language-model layers.
         model = apply_lora(model, m).to(device)
         policy = cls(model, processor, **sampling_settings(cfg.sampling),

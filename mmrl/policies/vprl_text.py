@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mmrl.policies.qwen_vl import QwenVLPolicy
-from mmrl.rewards.planning_text import parse_actions, simulate_plan
+from mmrl.envs.planning.text_plan import parse_actions, simulate_plan
 
 
 class VPRLTextPolicy(QwenVLPolicy):

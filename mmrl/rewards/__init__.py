@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mmrl.config import check_params
+from mmrl.config_checks import check_params
 
 RewardFn = Callable[..., torch.Tensor]
 

@@ -38,9 +38,9 @@ from mmrl.algos.calibration import (
     harmonic_confidence,
     parse_confidences_with_reason,
 )
-from mmrl.config import ConfigError
+from mmrl.config_checks import ConfigError
 from mmrl.rewards import register_reward
-from mmrl.rewards.vqa import ANSWER_FORMATS, MathJudge, _check_choice, _Counting, extract_answer, judge_answer
+from mmrl.rewards.vqa import ANSWER_FORMATS, MathJudge, check_choice, Counting, extract_answer, judge_answer
 
 _PARSE_FAILURES = ("no_confidence", "bad_confidence", "confidence_out_of_range")
 
@@ -57,7 +57,7 @@ def _number(x: Any) -> float | None:
 
 
 @register_reward("vl_calibration")
-class VLCalibration(_Counting):
+class VLCalibration(Counting):
     """VL-Calibration's reward: accuracy + Brier calibration of the harmonic-mean confidence +
     format + calibration of the visual confidence to the visual-certainty target (see the module)."""
 
@@ -75,7 +75,7 @@ class VLCalibration(_Counting):
         answer_format: str = "boxed",
         timeout_s: int = 5,
     ):
-        _check_choice(answer_format, ANSWER_FORMATS, "vl_calibration.answer_format")
+        check_choice(answer_format, ANSWER_FORMATS, "vl_calibration.answer_format")
         if not float(scale) > 0:
             raise ConfigError(f"vl_calibration.scale must be > 0, got {scale}")
         super().__init__()

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from mmrl.config import ConfigError
+from mmrl.config_checks import ConfigError
 from mmrl.rewards import Reward, register_reward
 
 ANSWER_FORMATS = ("tag", "boxed", "either", "header", "raw")
@@ -49,7 +49,7 @@ _HEADER = "### The final answer is:"
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
-def _check_choice(value: Any, choices: tuple[str, ...], name: str) -> None:
+def check_choice(value: Any, choices: tuple[str, ...], name: str) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
@@ -374,7 +374,7 @@ def judge_answer(ctx: dict, answer: str, judge: MathJudge) -> str:
     return "wrong" if "wrong" in verdicts else "unparseable"
 
 
-class _Counting(Reward):
+class Counting(Reward):
     """A reward counting the outcome of each reply of its last call: a subclass scores one reply
     in `_one(context, reply)` (counting its outcome) and resets any other per-call state in `_reset`."""
 
@@ -404,7 +404,7 @@ class _Counting(Reward):
 
 
 @register_reward("answer_accuracy")
-class AnswerAccuracy(_Counting):
+class AnswerAccuracy(Counting):
     """1 when the reply's final answer matches the record's, else 0 (R1-V / EasyR1 accuracy reward).
 
     The answer is the last <answer>...</answer>, else the last balanced \\boxed{...}
@@ -417,7 +417,7 @@ class AnswerAccuracy(_Counting):
     REASONS = ("correct", "wrong", "unparseable", "no_answer_tag")
 
     def __init__(self, answer_format: str = "either", timeout_s: int = 5):
-        _check_choice(answer_format, ANSWER_FORMATS, "answer_accuracy.answer_format")
+        check_choice(answer_format, ANSWER_FORMATS, "answer_accuracy.answer_format")
         super().__init__()
         self.answer_format, self.judge = answer_format, MathJudge(timeout_s)
 
@@ -429,7 +429,7 @@ class AnswerAccuracy(_Counting):
 
 
 @register_reward("format")
-class Format(_Counting):
+class Format(Counting):
     """1 for a well-formed reply, else 0.
 
     style="think_answer": <think>, </think>, <answer>, </answer> each exactly once, in that order,
@@ -442,7 +442,7 @@ class Format(_Counting):
     _FULL = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
 
     def __init__(self, style: str = "think_answer"):
-        _check_choice(style, self.STYLES, "format.style")
+        check_choice(style, self.STYLES, "format.style")
         self.style = style
         self.REASONS = (("ok", "missing_tag", "duplicate_tag", "out_of_order", "text_outside_tags")
                         if style == "think_answer" else ("ok", "no_boxed", "multiple_boxed", "unbalanced_braces"))
@@ -499,7 +499,7 @@ def box_iou(a: list[float], b: list[float]) -> float:
 
 
 @register_reward("iou")
-class IoU(_Counting):
+class IoU(Counting):
     """IoU of the answer's box with the record's "bbox" (VLM-R1's grounding reward).
 
     The box is read from the final answer (`answer_format`, "raw" for the whole reply). With
@@ -511,7 +511,7 @@ class IoU(_Counting):
     REASONS = ("scored", "no_answer_tag", "unparseable", "invalid_box", "no_gold_box")
 
     def __init__(self, threshold: float = 0.0, answer_format: str = "either"):
-        _check_choice(answer_format, ANSWER_FORMATS, "iou.answer_format")
+        check_choice(answer_format, ANSWER_FORMATS, "iou.answer_format")
         if not 0.0 <= float(threshold) <= 1.0:
             raise ConfigError(f"iou.threshold must be in [0, 1], got {threshold}")
         super().__init__()
@@ -550,7 +550,7 @@ class IoU(_Counting):
 
 
 @register_reward("length")
-class Length(_Counting):
+class Length(Counting):
     """A length penalty on the reply's characters: 0 up to `target_chars`, then linear down to -1
     at `max_chars`, and -1 beyond. Add it with a small weight next to the accuracy reward to curb
     runaway reasoning. Metrics: mean_chars, over_target, at_max."""
@@ -652,7 +652,7 @@ def match_key_steps(reasoning: str, key_steps: list) -> tuple[int, bool]:
 
 
 @register_reward("step_accuracy")
-class StepAccuracy(_Counting):
+class StepAccuracy(Counting):
     """R1-VL's step-wise reasoning accuracy reward, StepRAR (Zhang et al. 2025, arXiv 2503.12937, §3.2).
 
     With K the record's key steps and k the number found in the reply's reasoning by soft
@@ -670,7 +670,7 @@ class StepAccuracy(_Counting):
     REASONS = ("correct", "wrong", "unparseable", "no_answer_tag", "no_key_steps")
 
     def __init__(self, alpha: float = 0.1, answer_format: str = "either", timeout_s: int = 5):
-        _check_choice(answer_format, ANSWER_FORMATS, "step_accuracy.answer_format")
+        check_choice(answer_format, ANSWER_FORMATS, "step_accuracy.answer_format")
         if float(alpha) < 0:
             raise ConfigError(f"step_accuracy.alpha must be >= 0, got {alpha}")
         super().__init__()
@@ -709,7 +709,7 @@ _STEP = re.compile(r"(?im)^\s*(?:#+\s*|\*\*)?step\s*(\d+)\b")
 
 
 @register_reward("step_validity")
-class StepValidity(_Counting):
+class StepValidity(Counting):
     """R1-VL's step-wise reasoning validity reward, StepRVR (Zhang et al. 2025, arXiv 2503.12937, §3.2):
     1 when the reply is both complete and logical, else 0.
 
@@ -731,8 +731,8 @@ class StepValidity(_Counting):
     REASONS = ("valid", "incomplete", "illogical", "out_of_order_steps")
 
     def __init__(self, template: str = "think_answer", key_step_order: bool = True, answer_format: str = "either"):
-        _check_choice(template, self.TEMPLATES, "step_validity.template")
-        _check_choice(answer_format, ANSWER_FORMATS, "step_validity.answer_format")
+        check_choice(template, self.TEMPLATES, "step_validity.template")
+        check_choice(answer_format, ANSWER_FORMATS, "step_validity.answer_format")
         super().__init__()
         self.template, self.key_step_order, self.answer_format = template, bool(key_step_order), answer_format
 

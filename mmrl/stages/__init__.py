@@ -34,7 +34,7 @@ __all__ = ["STAGES", "LEGACY_KEYS", "AdvantageInputs", "AdvantageTransform", "Au
            "DynamicSampling", "Entropy", "GFPO", "Guidance", "KLToReference", "LossTerm", "MaskedEntropy",
            "OverlongPenalty", "PerceptionKL", "PromptReplay", "ReDit", "RewardShaper", "RolloutStage", "SFTMix", "Stage",
            "Stages", "SuccessRateFilter", "TermInputs", "build_stage", "from_algo", "from_keys", "group_contexts",
-           "register_stage"]
+           "list_stages", "register_stage"]
 
 # Today's keys of AlgoConfig -> the stage they build (`from_algo`, in this order: the order each
 # hook runs them, and the order the loss adds its terms, as before the stages).
@@ -53,6 +53,20 @@ LEGACY_KEYS: dict[str, str] = {
     "papo_entropy[1]": "entropy_masked",
     "sft_coef, sft_batch_size": "sft_mix",
 }
+
+
+def list_stages() -> list[tuple[str, str, str, str]]:
+    """(name, kinds, fields with defaults, the docstring's first sentence) of every registered stage."""
+    import dataclasses
+
+    rows = []
+    for name, cls in sorted(STAGES.items()):
+        kinds = "/".join(base.__name__ for base in (RolloutStage, RewardShaper, AdvantageTransform, LossTerm,
+                                                    AuxiliaryLoss) if issubclass(cls, base))
+        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls) if f.init)
+        summary = " ".join((cls.__doc__ or "").split()).split(". ")[0]
+        rows.append((name, kinds, fields, summary))
+    return rows
 
 
 def from_keys(a, sft_batch_size: int) -> list[Stage]:

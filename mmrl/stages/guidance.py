@@ -15,9 +15,10 @@ from mmrl.stages.base import AuxiliaryLoss, RolloutStage, group_contexts, regist
 @register_stage("guidance")
 @dataclass
 class Guidance(RolloutStage, AuxiliaryLoss):
-    """A prompt whose group's best total reward is below `below` (every sample failed: zero
-    advantage, nothing to learn from) adds `coef` x the policy's supervised loss on the task's
-    expert target to the first optimizer step of the update, also when no group is left for RL."""
+    """ReLIFT's guidance (arXiv 2506.07527): a prompt whose group's best total reward is below
+    `below` (every sample failed: zero advantage, nothing to learn from) adds `coef` x the policy's
+    supervised loss on the task's expert target to the first optimizer step of the update, also
+    when no group is left for RL."""
 
     first_step_only: ClassVar[bool] = True
     metric: ClassVar[str] = "guide_loss"

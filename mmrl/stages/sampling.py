@@ -49,8 +49,9 @@ class SuccessRateFilter(RolloutStage):
 @register_stage("prompt_replay")
 @dataclass
 class PromptReplay(RolloutStage):
-    """Prompt replay: `share` of each draw's prompts comes again from the prompts whose last group
-    had differing rewards (a FIFO of `capacity`), sampled afresh by the current policy.
+    """Prompt replay (after GRESO, arXiv 2506.02177): `share` of each draw's prompts comes again
+    from the prompts whose last group had differing rewards (a FIFO of `capacity`), sampled afresh
+    by the current policy.
 
     Late in training most groups score the same on every sample (the policy has settled those
     prompts) and carry no gradient; dynamic sampling throws them away after paying for their

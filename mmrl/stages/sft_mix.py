@@ -14,9 +14,9 @@ from mmrl.stages.base import AuxiliaryLoss, register_stage
 @register_stage("sft_mix")
 @dataclass
 class SFTMix(AuxiliaryLoss):
-    """Every optimizer step of the update adds `coef` x the policy's supervised loss on a fresh
-    expert batch of `batch_size` examples of the task (the VLA recipes that mix SFT into RL).
-    Logs the supervised loss itself, unscaled."""
+    """DAPG's behaviour cloning term (arXiv 1709.10087): every optimizer step of the update adds
+    `coef` x the policy's supervised loss on a fresh expert batch of `batch_size` examples of the
+    task (the VLA recipes that mix SFT into RL). Logs the supervised loss itself, unscaled."""
 
     metric: ClassVar[str] = "sft_loss"
     coef: float = 0.1

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmrl.config import check_names
+from mmrl.config_checks import check_names
 
 # Llama sizes of the tiny demo / test model (overridable through `model.tiny`).
 TINY_LLAMA: dict[str, Any] = {

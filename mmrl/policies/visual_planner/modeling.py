@@ -298,7 +298,7 @@ class VisualPlannerPolicy:
         [T generated uint8 frames], "stop": "goal" | "invalid" | "unparseable" | "max_steps"}.
         """
         from mmrl.envs.planning.render import parse_batch_array
-        from mmrl.rewards.planning import StepKind, classify_steps
+        from mmrl.envs.planning.judge import StepKind, classify_steps
 
         B = len(contexts)
         budget = np.full(B, max_steps) if np.isscalar(max_steps) else np.asarray(max_steps, np.int64)

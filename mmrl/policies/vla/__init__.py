@@ -15,7 +15,7 @@
   `modeling_diffusion` (`DiffusionActionPolicy`, lerobot's Diffusion Policy trained with DPPO,
   `diffusion`).
 
-Every backbone rolls out with the episode runner of `mmrl.envs.episodes`.
+Every backbone rolls out with the episode runner of `mmrl.episodes`, in its task's env factory.
 
 A new backbone (pi0-style, another OpenVLA) is a new `modeling_<name>.py` with a policy class
 (`from_config`, `sample`, `logprobs`, `decode`, `sft_loss`, `save`; see `mmrl.policies.base`) that

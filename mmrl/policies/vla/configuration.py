@@ -81,7 +81,7 @@ class ActionTokenVLAConfig:
     vision: str = "qwen_vl"  # one of VISION_TOWERS: the model's own vision tower or a conv keypoint net
     shift_pad: int = 4  # conv_keypoints: DrQ random shift of up to this many pixels in SFT (0: none)
     # conv_keypoints: keypoints per image, one LM token each, so it must equal the image's token count;
-    # None: the count the processor gives the task's camera images (task.image_size or env.image_size)
+    # None: the count the processor gives the task's camera images (task.image_size)
     n_keypoints: int | None = None
     # conv_keypoints: weight of an auxiliary SFT loss that regresses the expert's action chunk from
     # the tower's tokens through a small MLP head (0: off). Without it SFT leaves the policy
@@ -94,7 +94,6 @@ class ActionTokenVLAConfig:
     # read by `from_config` only
     arch: str = "qwen2_5_vl"  # the tiny backbone (model.source: tiny)
     freeze_vision: bool = False
-    env: dict[str, Any] = field(default_factory=dict)  # VectorEnvFactory kwargs when the task has no env
 
     def __post_init__(self) -> None:
         if self.action_tokens not in ACTION_TOKEN_MODES:
@@ -122,7 +121,7 @@ class SmolVLAConfig:
     eta: float = 0.7  # SDE noise level of the Flow-GRPO steps (> 0)
     num_steps: int | None = None  # denoising steps; None: the model's (10 for a tiny build)
     n_action_steps: int | None = None  # actions executed per chunk; None: the model's
-    cameras: list[str] | None = None  # None: the model's image features (a tiny build: env cameras or front)
+    cameras: list[str] | None = None  # None: the model's image features (a tiny build: front)
     max_chunks: int = 64
     batched_recompute: bool = True  # one denoise_step over all steps of all chunks when recomputing
     # read by `from_config` only
@@ -132,7 +131,6 @@ class SmolVLAConfig:
     image_size: int = 64
     train_expert_only: bool = True
     dataset_stats: dict[str, dict[str, Any]] | None = None
-    env: dict[str, Any] = field(default_factory=dict)  # VectorEnvFactory kwargs when the task has no env
 
     def __post_init__(self) -> None:
         if self.eta <= 0:
@@ -152,7 +150,7 @@ class DiffusionPolicyConfig:
     min_std: float = 0.1  # DPPO's floor on each denoising step's std (> 0: every step has a log-prob)
     num_steps: int | None = None  # denoising steps; None: the model's num_inference_steps (a tiny build: 10)
     n_action_steps: int | None = None  # actions executed per chunk; None: the model's
-    cameras: list[str] | None = None  # None: the model's image features (a tiny build: env cameras or front)
+    cameras: list[str] | None = None  # None: the model's image features (a tiny build: front)
     max_chunks: int = 64
     # read by `from_config` only (a tiny build)
     horizon: int = 8  # actions per sampled chunk; a multiple of 2 ** (len(down_dims) - 1)
@@ -168,7 +166,6 @@ class DiffusionPolicyConfig:
     noise_scheduler: str = "DDIM"  # lerobot's noise_scheduler_type: DDPM or DDIM
     num_train_timesteps: int = 100
     dataset_stats: dict[str, dict[str, Any]] | None = None
-    env: dict[str, Any] = field(default_factory=dict)  # VectorEnvFactory kwargs when the task has no env
 
     def __post_init__(self) -> None:
         if self.eta < 0 or self.min_std <= 0:

@@ -279,9 +279,9 @@ class ConvKeypointsEncoder(nn.Module):
 
 def conv_encoder(model: nn.Module) -> ConvKeypointsEncoder | None:
     """The model's conv keypoint tower, None when it has another (through a PEFT wrapper too)."""
-    from mmrl.policies.qwen_vl import _rope_owner
+    from mmrl.policies.qwen_vl import rope_owner
 
-    visual = getattr(_rope_owner(model), "visual", None)
+    visual = getattr(rope_owner(model), "visual", None)
     return visual if isinstance(visual, ConvKeypointsEncoder) else None
 
 
@@ -290,9 +290,9 @@ def install_conv_keypoints(model: nn.Module, n_keypoints: int, *, augment_pad: i
     """Replace a Qwen-VL model's vision tower by a `ConvKeypointsEncoder` (seeded weights, the old
     tower's dtype and device); returns it. The model's state dict then holds its weights under the
     same `...visual.` prefix. `film` conditions it on the LM's token embeddings (`conditioned`)."""
-    from mmrl.policies.qwen_vl import _rope_owner
+    from mmrl.policies.qwen_vl import rope_owner
 
-    owner = _rope_owner(model)
+    owner = rope_owner(model)
     old, vc = owner.visual, model.config.vision_config
     hidden = getattr(vc, "out_hidden_size", None) or model.config.get_text_config().hidden_size
     with torch.random.fork_rng(devices=[]):

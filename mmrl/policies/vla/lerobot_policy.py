@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.envs.episodes import as_numpy, episode_slices, run_episodes
+from mmrl.episodes import as_numpy, episode_slices, run_episodes
 from mmrl.flow import gaussian_kl, gaussian_logprob
 from mmrl.policies.base import FlowPolicyBase, UnitSteps, eval_mode
 from mmrl.policies.vla.processor import (

@@ -49,13 +49,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.envs.episodes import VectorEnvFactory, episode_slices, run_episodes, task_env_factory
+from mmrl.episodes import episode_slices, run_episodes, task_env_factory
 from mmrl.policies.base import apply_lora, checkpoint_dir, eval_mode
 from mmrl.policies.fast_decode import causal_body
 from mmrl.policies.qwen_vl import (
     QwenVLPolicy,
     VLStepper,
-    _rope_owner,
+    rope_owner,
     rope_positions,
     vision_inputs,
 )
@@ -177,8 +177,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
         """`model.source: tiny` builds a tiny Qwen-VL (`model.params.arch`, sizes in `model.tiny`) with
         a local tokenizer plus `<act_i>` tokens; `pretrained` loads `model.path` (a directory saved by
         `save`, whose settings the params override, or a plain Qwen-VL checkpoint with
-        `action_tokens: vocab_tail`). The env comes from the task when it has one
-        (`task_env_factory`), else from `model.params.env` (VectorEnvFactory kwargs)."""
+        `action_tokens: vocab_tail`). Episodes run in the task's env (`task_env_factory`)."""
         m, params = cfg.model, dict(cfg.model.params)
         cls.check_params(params)
         saved = read_saved_config(m.path, ACTION_VLA_CONFIG_NAME) if m.source == "pretrained" else {}
@@ -200,9 +199,9 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
             install_conv_keypoints(model, n_keypoints, augment_pad=c.shift_pad, seed=cfg.train.seed,
                                    aux_dim=_aux_dim(c), film=c.film)
         if c.freeze_vision:
-            _rope_owner(model).visual.requires_grad_(False)
+            rope_owner(model).visual.requires_grad_(False)
         model = apply_lora(model, m).to(device)
-        env_factory = task_env_factory(task) or VectorEnvFactory(**c.env)
+        env_factory = task_env_factory(task)
         return cls(model, processor, c, temperature=cfg.sampling.temperature, env_factory=env_factory)
 
     @classmethod
@@ -471,9 +470,9 @@ def _aux_dim(c: ActionTokenVLAConfig) -> int:
 
 
 def _camera_token_count(task: Any, c: ActionTokenVLAConfig, processor: Any) -> int:
-    """Image tokens the processor gives the task's camera images (`task.image_size`, else the env
-    kwargs' `image_size`): the keypoint count of a fresh conv tower."""
-    size = getattr(task, "image_size", None) or c.env.get("image_size")
+    """Image tokens the processor gives the task's camera images (`task.image_size`): the keypoint
+    count of a fresh conv tower."""
+    size = getattr(task, "image_size", None)
     if size is None:
         raise ValueError("vision: conv_keypoints needs model.params.n_keypoints (the camera image's token count) "
                          "when the task has no image_size")

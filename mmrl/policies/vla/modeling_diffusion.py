@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.envs.episodes import VectorEnvFactory, task_env_factory
+from mmrl.episodes import task_env_factory
 from mmrl.flow import diffusion_chain, diffusion_step, gaussian_logprob
 from mmrl.policies.base import eval_mode
 from mmrl.policies.vla.configuration import (
@@ -128,11 +128,11 @@ class DiffusionActionPolicy(LeRobotChunkPolicy):
         cls.check_params(params)
         saved = read_saved_config(m.path, DIFFUSION_CONFIG_NAME) if m.source == "pretrained" else {}
         c = DiffusionPolicyConfig(**{**saved, **params})
-        env_factory = task_env_factory(task) or VectorEnvFactory(**c.env)
+        env_factory = task_env_factory(task)
         dev = str(torch.device(device))
         if m.source == "pretrained":
             return cls(*load_diffusion(m.path, dev), c, env_factory=env_factory)
-        cams = c.cameras or c.env.get("cameras") or ["front"]
+        cams = c.cameras or ["front"]
         model, pre, post = build_tiny_diffusion(
             cams, state_dim=c.state_dim, action_dim=c.action_dim, horizon=c.horizon, n_action_steps=c.n_action_steps,
             num_steps=c.num_steps or 10, image_size=c.image_size, encoder_size=c.encoder_size,

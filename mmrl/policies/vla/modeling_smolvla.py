@@ -10,7 +10,7 @@ trajectory: `units[n, s*K + k]` is the state x_{k+1} [chunk, max_action_dim] aft
 log-prob teacher-forced (prefix with gradient, all K steps of all chunks in one batched
 `denoise_step`). `temperature=0` (evaluation) samples with the deterministic Euler ODE instead.
 
-Episodes run exactly as for the action-token VLA (`mmrl.envs.episodes.run_episodes`): G copies
+Episodes run exactly as for the action-token VLA (`mmrl.episodes.run_episodes`): G copies
 of each context's initial state in a vector env, `n_action_steps` actions of each sampled chunk
 executed per `step_chunk`. Observations reach the model through lerobot's own pre-processor
 (tokenise the instruction, normalise the state) and the actions leave through its post-processor
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.envs.episodes import VectorEnvFactory, task_env_factory
+from mmrl.episodes import task_env_factory
 from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
 from mmrl.policies.base import UnitSteps, eval_mode
 from mmrl.policies.vla.configuration import (
@@ -308,12 +308,12 @@ class SmolVLAPolicy(LeRobotChunkPolicy):
         cls.check_params(params)
         saved = read_saved_config(m.path, SMOLVLA_CONFIG_NAME) if m.source == "pretrained" else {}
         c = SmolVLAConfig(**{**saved, **params})  # validated once, before a model is built
-        env_factory = task_env_factory(task) or VectorEnvFactory(**c.env)
+        env_factory = task_env_factory(task)
         dev = str(torch.device(device))
         if m.source == "pretrained":
             model, pre, post = load_smolvla(m.path, dev)
             return cls(model, pre, post, c, env_factory=env_factory)
-        cams = c.cameras or c.env.get("cameras") or ["front"]
+        cams = c.cameras or ["front"]
         model, pre, post = build_tiny_smolvla(
             Path(cfg.train.output_dir) / "tiny_smolvla", instruction_corpus(task), cameras=cams,
             num_steps=10 if c.num_steps is None else c.num_steps, n_action_steps=c.n_action_steps,

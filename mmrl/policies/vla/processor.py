@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.envs.episodes import as_numpy, image_hwc
+from mmrl.episodes import as_numpy, image_hwc
 from mmrl.policies.vla.configuration import DEFAULT_PROMPT
 from mmrl.rollout import Rollout
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.config import ConfigError, check_params
+from mmrl.config_checks import ConfigError, check_params
 from mmrl.rewards import Reward, register_reward
 from mmrl.rewards.captioning.judges import (CANNOT_ANSWER, LETTERS, Judge, JudgeFailure, JudgeItem, JudgeReply,
                                             judge_name, make_judge)
