@@ -96,15 +96,28 @@ def build_dataclass(cls, data: Any, prefix: str = ""):
     return cls(**kwargs)
 
 
-def check_params(fn: Callable, params: dict[str, Any], where: str, skip: int = 0, internal: tuple[str, ...] = ()) -> None:
-    """Raise ConfigError naming a parameter `fn` does not take (after its first `skip` positional
-    ones; `internal` parameters are the caller's to pass, never a config's)."""
+def check_params(fn: Callable, params: dict[str, Any], where: str, skip: int = 0,
+                 internal: tuple[str, ...] = ()) -> None:
+    """The params of a component configured by its signature (a task's `__init__`, a reward
+    function), checked as a dataclass of that signature would be: raise ConfigError naming a
+    parameter `fn` does not take (after its first `skip` positional ones; `internal` parameters
+    are the caller's to pass, never a config's), or a value that does not fit its annotation."""
     sig = inspect.signature(fn)
     if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
         return
     valid = [n for n in list(sig.parameters)[skip:]
              if sig.parameters[n].kind is not inspect.Parameter.VAR_POSITIONAL and n not in internal]
     check_names(params, valid, where)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # an annotation that does not resolve here: the names are checked, not the types
+        return
+    for name, value in params.items():
+        if name in hints:
+            try:
+                coerce(value, hints[name], name)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
 
 
 def check_names(params: dict[str, Any], valid: list[str], where: str, kind: str = "parameter") -> None:

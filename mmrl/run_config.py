@@ -419,6 +419,16 @@ def check_values(cfg: RunConfig) -> None:
     """Every value check that needs no registry above core: the algorithm's names (mmrl.algos) and
     stages (mmrl.stages), devices, ranges and cross-field rules. `mmrl.config.validate` adds the
     names of the policy, the task and the rewards."""
+    loss_spec = check_algorithm_names(cfg)
+    check_devices(cfg)
+    check_training(cfg)
+    check_rollout(cfg, loss_spec)
+    check_algorithm(cfg)
+    check_model_path(cfg)
+
+
+def check_algorithm_names(cfg: RunConfig):
+    """The loss, estimator and KL estimator against mmrl.algos, with their params; the loss's spec."""
     from mmrl.algos import get_advantage_spec, get_loss_spec, list_algorithms
 
     try:
@@ -434,7 +444,12 @@ def check_values(cfg: RunConfig) -> None:
                  f"algo.advantage_params (estimator {adv!r})")
     kl_kinds = [name for name, *_ in list_algorithms()["kl"]]
     check(cfg.algo.kl_kind in kl_kinds, f"algo.kl_kind: invalid value {cfg.algo.kl_kind!r}; valid: {', '.join(kl_kinds)}")
-    # Devices before anything is built: a reward or judge loads its model onto its device when built.
+    return loss_spec
+
+
+def check_devices(cfg: RunConfig) -> None:
+    """Every device a config names, before anything is built (a reward or judge loads its model
+    onto its device when built)."""
     t = cfg.train
     check(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
            f"train.device: invalid value {t.device!r}; valid: auto, cpu, cuda, cuda:N")
@@ -444,6 +459,10 @@ def check_values(cfg: RunConfig) -> None:
         named += _param_devices(r.params, f"rewards.{i}.params")
     for key, value in named:
         check_device(value, key, fallback="cpu")  # these are handed to torch as they are: no "auto"
+
+
+def check_training(cfg: RunConfig) -> None:
+    """Sampling, SFT and training sizes and rates, and what FSDP does not support."""
     check(len(cfg.rewards) > 0, "rewards: at least one reward is needed")
     s, t, a = cfg.sampling, cfg.train, cfg.algo
     check(s.group_size >= 1, f"sampling.group_size must be >= 1, got {s.group_size}")
@@ -476,9 +495,13 @@ def check_values(cfg: RunConfig) -> None:
                f"FSDP2 sharding is built for: {', '.join(FSDP_POLICIES)}")
         check(t.unit_chunk == 0, f"train.fsdp does not support train.unit_chunk (got {t.unit_chunk}); set it to 0")
         check(a.guide_below is None, "train.fsdp does not support algo.guide_below; use replicate mode (train.fsdp: false)")
+
+
+def check_rollout(cfg: RunConfig, loss_spec) -> None:
+    """Mismatch correction, the sampler's batch and the rollout engine."""
     from mmrl.algos import CORRECTION_LEVELS, CORRECTIONS
 
-    r = cfg.rollout
+    r, t = cfg.rollout, cfg.train
     check(r.correction in CORRECTIONS,
            f"rollout.correction: invalid value {r.correction!r}; valid: {', '.join(CORRECTIONS)}")
     check(r.correction_level in ("auto", *CORRECTION_LEVELS),
@@ -496,6 +519,11 @@ def check_values(cfg: RunConfig) -> None:
         check(t.recompute_old_logp, "rollout.engine: vllm needs train.recompute_old_logp: true (the engine's "
                                      "log-probs are the behaviour policy's, not the trainer's)")
         check(0 < r.vllm_memory < 1, f"rollout.vllm_memory must be in (0, 1) (a share of the GPU), got {r.vllm_memory}")
+
+
+def check_algorithm(cfg: RunConfig) -> None:
+    """The algorithm's ranges and cross-field rules, then every stage's config (mmrl.stages)."""
+    s, a = cfg.sampling, cfg.algo
     check(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
     check(0 < a.entropy_top_frac <= 1, f"algo.entropy_top_frac must be in (0, 1] (1 = every token), got {a.entropy_top_frac}")
     check(a.overlong_cache_len < s.max_new_tokens or a.overlong_cache_len == 0,
@@ -508,9 +536,6 @@ def check_values(cfg: RunConfig) -> None:
     check(a.sft_coef >= 0, f"algo.sft_coef must be >= 0, got {a.sft_coef}")
     check(a.sft_batch_size is None or a.sft_batch_size >= 1,
            f"algo.sft_batch_size must be >= 1 (or null: sft.batch_size), got {a.sft_batch_size}")
-    from mmrl.stages import from_algo
-
-    from_algo(a, cfg.sft.batch_size)  # every stage's config, checked before anything is built
     check(a.papo_gamma >= 0, f"algo.papo_gamma must be >= 0 (0 = off), got {a.papo_gamma}")
     check(a.papo_kl_max >= 0, f"algo.papo_kl_max must be >= 0 (0 = no clip), got {a.papo_kl_max}")
     check(len(a.papo_entropy) == 2 and min(a.papo_entropy) >= 0,
@@ -521,6 +546,14 @@ def check_values(cfg: RunConfig) -> None:
         lo_hi = a.success_filter
         check(len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1] <= 1,
                f"algo.success_filter must be [low, high] with 0 <= low <= high <= 1, got {lo_hi}")
+    from mmrl.stages import Guidance, from_algo
+
+    stages = from_algo(a, cfg.sft.batch_size)  # every stage's config, checked before anything is built
+    check(not (cfg.train.fsdp and stages.find(Guidance)), "train.fsdp does not support the guidance stage "
+          "(its extra forwards differ between ranks); use replicate mode (train.fsdp: false)")
+
+
+def check_model_path(cfg: RunConfig) -> None:
     check(cfg.model.source != "pretrained" or bool(cfg.model.path),
            "model.path: a local folder or a hub id (owner/name) is required when model.source is 'pretrained'")
     if cfg.model.source == "pretrained":  # a hub id is fetched when the model is built (mmrl.hub)

@@ -182,3 +182,23 @@ def test_a_stage_in_a_file_of_its_own_plugs_in_from_the_config(tmp_path):
     assert str(e.value).startswith("plugins[0]: cannot import") and "missing.py" in str(e.value)
     with pytest.raises(ConfigError, match=r"plugins\[0\]: cannot import 'no_such_module_xyz'"):
         load_config(None, ["plugins=[no_such_module_xyz]"])
+
+
+def test_every_registered_component_declares_a_typed_config():
+    """Policies, like stages, declare the dataclass of their params; tasks and rewards are checked as
+    the dataclass of their signature. A value of the wrong type or one the config refuses is one
+    line at load, naming the key."""
+    import dataclasses
+
+    from mmrl.policies import POLICIES, policy_class
+
+    for name in POLICIES:
+        assert dataclasses.is_dataclass(policy_class(name).CONFIG), name
+    for override, fragment in [("model.params.min_image_tokens=many", "model.params.min_image_tokens: expected an "
+                                "integer, got 'many' (QwenVLPolicy)"),
+                               ("model.params.max_image_tokens=0", "model.params.max_image_tokens must be >= 1"),
+                               ("task.params.n_train=many", "task.params (task 'vqa'): n_train: expected an integer, "
+                                "got 'many'")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, ["model.policy=qwen_vl", "task.name=vqa", override])
+        assert fragment in str(e.value) and "\n" not in str(e.value)

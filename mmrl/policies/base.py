@@ -7,6 +7,7 @@ joined by config. The trainer calls only what is written here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Protocol
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.config_checks import check_names
+from mmrl.config_checks import ConfigError, build_dataclass, check_names
 from mmrl.rollout import Rollout, unit_spans
 
 
@@ -85,15 +86,29 @@ class PolicyBase:
 
     model: nn.Module
     reference: nn.Module | None = None
-    PARAMS: frozenset[str] = frozenset()  # the model.params keys this adapter reads
+    # The dataclass of `model.params` (its keys, types, defaults and, in `__post_init__`, value
+    # checks): every adapter declares one, checked when the config loads, before a model is built.
+    CONFIG: type | None = None
     can_mask_images = False  # `mask_images` works on its rollouts (PAPO, VL-Calibration)
     logprob_chunk = 0  # tokens per chunk of the output head's log-probs (train.logprob_chunk; 0: sized to the vocabulary)
     GRADIENT_CHECKPOINTING = False  # `enable_gradient_checkpointing` works (train.gradient_checkpointing)
 
     @classmethod
     def check_params(cls, params: dict) -> None:
-        """Raise ValueError naming a `model.params` key this adapter does not read (at config load)."""
-        check_names(params, sorted(cls.PARAMS), f"model.params ({cls.__name__})", kind="key")
+        """Raise ValueError (one line) naming a `model.params` key this adapter does not read, a value
+        of the wrong type or one its config refuses (at config load)."""
+        if cls.CONFIG is None:
+            raise TypeError(f"{cls.__name__} declares no CONFIG dataclass of its model.params")
+        check_names(params, cls.param_names(), f"model.params ({cls.__name__})", kind="key")
+        try:
+            build_dataclass(cls.CONFIG, params, "model.params")
+        except ConfigError as exc:
+            raise ValueError(f"{exc} ({cls.__name__})") from None
+
+    @classmethod
+    def param_names(cls) -> list[str]:
+        """The `model.params` keys this adapter reads."""
+        return [f.name for f in dataclasses.fields(cls.CONFIG) if f.init]
 
     @property
     def device(self) -> torch.device:

@@ -7,6 +7,8 @@ demo) or any local checkpoint loaded with `from_pretrained(dir)`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -16,7 +18,15 @@ from mmrl.policies.vllm_engine import attach_engine
 from mmrl.rollout import sample_tokens
 
 
+@dataclass
+class CausalLMConfig:
+    """`model.params` of `causal_lm`: none (the model, tokenizer and sampling come from `model` and
+    `sampling`)."""
+
+
 class CausalLMPolicy(TextPolicyBase):
+    CONFIG = CausalLMConfig
+
     def __init__(self, model: nn.Module, tokenizer, *, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, max_new_tokens: int = 16, use_chat_template: bool = False,
                  fast_decode: bool = True):

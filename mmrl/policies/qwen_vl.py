@@ -26,6 +26,7 @@ forward decodes where that decoder does not apply (LoRA, an unknown text decoder
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,28 @@ from mmrl.rollout import Rollout, head_logprobs, sample_tokens
 IMAGE_PLACEHOLDER = "<image>"  # where a prompt places an image (EasyR1, Geometry3K, MathVerse layouts)
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 _VISION_TOKEN_CONFIG_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-# model.params: what the policy reads from contexts, and how `from_config` builds the model.
-POLICY_PARAMS = {"image_key", "prompt_key", "target_key", "target_join", "system_prompt", "min_image_tokens",
-                 "max_image_tokens"}
-BUILD_PARAMS = {"arch", "freeze_vision"}
+
+
+@dataclass
+class QwenVLConfig:
+    """`model.params` of `qwen_vl` (and `vprl_text`): what the policy reads from contexts, the
+    processor's image-token bounds, and how `from_config` builds the model."""
+
+    image_key: str = "frame"
+    prompt_key: str = "prompt"
+    target_key: str = "target"
+    target_join: str = " "  # joins a list target into one string
+    system_prompt: str | None = None
+    min_image_tokens: int | None = None  # None: the processor's own (a tiny build uses 4 and 16)
+    max_image_tokens: int | None = None
+    arch: str = "qwen2_5_vl"  # a tiny build's architecture (mmrl.tiny)
+    freeze_vision: bool = False
+
+    def __post_init__(self):
+        for name in ("min_image_tokens", "max_image_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"model.params.{name} must be >= 1 (or null: the processor's own), got {value}")
 
 
 def _to_image(x: Any, where: str):
@@ -238,7 +257,7 @@ class VLStepper:
 
 
 class QwenVLPolicy(TextPolicyBase):
-    PARAMS = frozenset(POLICY_PARAMS | BUILD_PARAMS)
+    CONFIG = QwenVLConfig
     PROMPT_COLUMNS = ("prompt_ids", "prompt_mask", "mm_token_type_ids")
 
     def __init__(self, model: nn.Module, processor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,

@@ -32,7 +32,7 @@ from mmrl.flow import flow_timesteps, gaussian_kl, gaussian_logprob, ode_step, s
 from mmrl.policies.base import FlowPolicyBase, UnitSteps, eval_mode
 from mmrl.policies.video.causal_wan import CausalWan, KVCache, build_tiny_wan
 from mmrl.policies.video.configuration import VIDEO_CONFIG_NAME, VideoGenConfig
-from mmrl.policies.vla.configuration import param_names, read_saved_config, resolve_config
+from mmrl.policies.vla.configuration import read_saved_config, resolve_config
 from mmrl.rollout import Rollout
 
 TEXT_ENCODER_DIR, TOKENIZER_DIR, TRANSFORMER_DIR, VAE_DIR = "text_encoder", "tokenizer", "transformer", "vae"
@@ -84,14 +84,8 @@ def unit_to_pixels(x: torch.Tensor) -> np.ndarray:
 class VideoGenPolicy(FlowPolicyBase):
     """`model` is the `CausalWan` (trained); the text encoder (UMT5) and the VAE are frozen."""
 
-    PARAMS = param_names(VideoGenConfig)
+    CONFIG = VideoGenConfig
     GRADIENT_CHECKPOINTING = True  # the Wan blocks (`CausalWan.enable_gradient_checkpointing`)
-
-    @classmethod
-    def check_params(cls, params: dict) -> None:
-        """The keys, and their values (at config load, before any model is built)."""
-        super().check_params(params)
-        VideoGenConfig(**params)
 
     @classmethod
     def supports_gaussian_kl(cls, params: dict) -> bool:

@@ -69,21 +69,22 @@ class VisualPlannerConfig:
     fast_decode: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # free room for forks; ignored here
 
+    def __post_init__(self):
+        for name in ("codebook_size", "code_dim", "vq_hidden", "vq_batch_size", "vq_layouts", "max_side"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"model.params.{name} must be >= 1, got {getattr(self, name)}")
+        if self.vq_steps < 0:
+            raise ValueError(f"model.params.vq_steps must be >= 0, got {self.vq_steps}")
+        if self.canvas is not None and self.canvas < 0:
+            raise ValueError(f"model.params.canvas must be >= 0, got {self.canvas}")
+        if self.patch_size is not None and self.patch_size < 1:
+            raise ValueError(f"model.params.patch_size must be >= 1, got {self.patch_size}")
+
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> VisualPlannerConfig:
         params = dict(params or {})
         check_names(params, [f.name for f in dataclasses.fields(cls)], "model.params (visual_planner)", kind="key")
-        cfg = cls(**params)
-        for name in ("codebook_size", "code_dim", "vq_hidden", "vq_batch_size", "vq_layouts", "max_side"):
-            if int(getattr(cfg, name)) < 1:
-                raise ValueError(f"model.params.{name} must be >= 1, got {getattr(cfg, name)}")
-        if cfg.vq_steps < 0:
-            raise ValueError(f"model.params.vq_steps must be >= 0, got {cfg.vq_steps}")
-        if cfg.canvas is not None and cfg.canvas < 0:
-            raise ValueError(f"model.params.canvas must be >= 0, got {cfg.canvas}")
-        if cfg.patch_size is not None and cfg.patch_size < 1:
-            raise ValueError(f"model.params.patch_size must be >= 1, got {cfg.patch_size}")
-        return cfg
+        return cls(**params)
 
     def vq_config(self, cell_size: int) -> VQConfig:
         cfg = VQConfig(patch_size=self.patch_size or cell_size, codebook_size=self.codebook_size,

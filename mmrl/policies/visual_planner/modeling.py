@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.policies.base import eval_mode
+from mmrl.policies.base import PolicyBase, eval_mode
 from mmrl.policies.fast_decode import FastDecoder, completion_logprobs
 from mmrl.rollout import Rollout, sample_tokens
 
@@ -52,8 +52,8 @@ class VisualPlannerModel(nn.Module):
         return self
 
 
-class VisualPlannerPolicy:
-    logprob_chunk = 0  # tokens per chunk of the output head's log-probs (train.logprob_chunk; 0: sized to the vocabulary)
+class VisualPlannerPolicy(PolicyBase):
+    CONFIG = VisualPlannerConfig
 
     def __init__(self, lm: nn.Module, vq: VQTokenizer, vocab: Vocabulary, *, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, fast_decode: bool = True):
@@ -82,16 +82,7 @@ class VisualPlannerPolicy:
     def vq(self) -> VQTokenizer:
         return self.model.vq
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     # ------------------------------------------------------------------ construction
-
-    @classmethod
-    def check_params(cls, params: dict) -> None:
-        """Raise ValueError naming a bad `model.params` key or value (at config load)."""
-        VisualPlannerConfig.from_params(params)
 
     @classmethod
     def from_config(cls, cfg, task, device="cpu") -> VisualPlannerPolicy:

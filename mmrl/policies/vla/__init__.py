@@ -1,7 +1,7 @@
 """Vision-language-action policies, split as lerobot's are:
 
 - `configuration`: the typed `model.params` of each backbone (`ActionTokenVLAConfig`,
-  `SmolVLAConfig`, `DiffusionPolicyConfig`: defaults, value checks, the `PARAMS` keys `check_params` accepts) and the
+  `SmolVLAConfig`, `DiffusionPolicyConfig`: each adapter's `CONFIG`, with defaults, types and value checks) and the
   constants (action-token modes, the default prompt, the saved-config file names);
 - `processor`: what turns data into model inputs and back, shared by every backbone (action bins and
   `<act_i>` tokens, camera images of an observation batch, the one SFT-context parser, the acted

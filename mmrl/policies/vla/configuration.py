@@ -1,8 +1,8 @@
 """Typed `model.params` of the VLA policies (lerobot-style: configuration apart from modeling).
 
-One dataclass per backbone. Its fields are exactly the `model.params` keys the adapter reads, with
-the policy's defaults, so the adapter's `PARAMS` (the keys `PolicyBase.check_params` accepts at
-config load) derive from them. `__post_init__` checks the values and names the bad key.
+One dataclass per backbone, the adapter's `CONFIG`. Its fields are exactly the `model.params` keys
+the adapter reads, with the policy's defaults and types, which `PolicyBase.check_params` checks at
+config load; `__post_init__` checks the values and names the bad key.
 
 A checkpoint written by a policy's `save` carries its settings in a JSON file next to the weights
 (`ACTION_VLA_CONFIG_NAME`, `SMOLVLA_CONFIG_NAME`); `from_config` lays the run's params over them:
@@ -183,8 +183,6 @@ class DiffusionPolicyConfig:
 
 
 ACTION_VLA_PARAMS = param_names(ActionTokenVLAConfig)
-DIFFUSION_PARAMS = param_names(DiffusionPolicyConfig)
-SMOLVLA_PARAMS = param_names(SmolVLAConfig)
 
 __all__ = [
     "ACTION_TOKEN_MODES",
@@ -192,11 +190,9 @@ __all__ = [
     "ACTION_VLA_PARAMS",
     "DEFAULT_PROMPT",
     "DIFFUSION_CONFIG_NAME",
-    "DIFFUSION_PARAMS",
     "DiffusionPolicyConfig",
     "NOISE_SCHEDULERS",
     "SMOLVLA_CONFIG_NAME",
-    "SMOLVLA_PARAMS",
     "ActionTokenVLAConfig",
     "SmolVLAConfig",
     "VISION_TOWERS",

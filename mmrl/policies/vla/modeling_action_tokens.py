@@ -102,7 +102,7 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
     can_mask_images = True  # on the camera frames its rollouts keep per chunk (`mask_images`)
     TOKEN_BUDGET = False  # a row is an episode of per-chunk observations, not one prompt + reply
 
-    PARAMS = ACTION_VLA_PARAMS
+    CONFIG = ActionTokenVLAConfig
 
     def __init__(self, model: nn.Module, processor, config: ActionTokenVLAConfig | None = None, *,
                  temperature: float = 1.0, env_factory: Callable[[list[dict]], Any] | None = None, **params):

@@ -36,7 +36,6 @@ from mmrl.flow import diffusion_chain, diffusion_step, gaussian_logprob
 from mmrl.policies.base import eval_mode
 from mmrl.policies.vla.configuration import (
     DIFFUSION_CONFIG_NAME,
-    DIFFUSION_PARAMS,
     DiffusionPolicyConfig,
     read_saved_config,
     resolve_config,
@@ -85,7 +84,7 @@ class DiffusionActionPolicy(LeRobotChunkPolicy):
     """`model` is the lerobot DiffusionPolicy (the trainable module); `config` the `model.params`
     (`DiffusionPolicyConfig`), keywords given as `params` override its fields."""
 
-    PARAMS = DIFFUSION_PARAMS
+    CONFIG = DiffusionPolicyConfig
     CONFIG_NAME = DIFFUSION_CONFIG_NAME
 
     def __init__(self, model: nn.Module, preprocessor, postprocessor, config: DiffusionPolicyConfig | None = None, *,

@@ -46,7 +46,6 @@ from mmrl.flow import flow_timesteps, gaussian_logprob, ode_step, sde_step
 from mmrl.policies.base import UnitSteps, eval_mode
 from mmrl.policies.vla.configuration import (
     SMOLVLA_CONFIG_NAME,
-    SMOLVLA_PARAMS,
     SmolVLAConfig,
     read_saved_config,
     resolve_config,
@@ -259,7 +258,7 @@ class SmolVLAPolicy(LeRobotChunkPolicy):
     """`model` is the lerobot SmolVLAPolicy (the trainable module); `config` the `model.params`
     (`SmolVLAConfig`: `eta` is the SDE noise level), keywords given as `params` override its fields."""
 
-    PARAMS = SMOLVLA_PARAMS
+    CONFIG = SmolVLAConfig
     CONFIG_NAME = SMOLVLA_CONFIG_NAME
     GRADIENT_CHECKPOINTING = True  # lerobot's joint VLM/expert layer loop, checkpointed per layer
 
