@@ -148,8 +148,9 @@ class Trainer:
     def step_start(self) -> dict[str, Any]:
         """What collecting a batch moves (data cursor, group ids, sampling streams, stages' state,
         reward draws), to put back when a fault ends the step: its checkpoint then resumes the step."""
-        return copy.deepcopy({"rng": rng_state(self.streams()), "task": self.task.state_dict(),
-                              "stages": self.stages.state_dict(), **self.collector.state_dict()})
+        # Stages' states are fresh containers already (the replay buffer's list); its contexts are not copied.
+        return {"rng": rng_state(self.streams()), "task": copy.deepcopy(self.task.state_dict()),
+                "stages": self.stages.state_dict(), **copy.deepcopy(self.collector.state_dict())}
 
     def restore_step_start(self, state: dict[str, Any]) -> None:
         set_rng_state(state["rng"], self.streams())
