@@ -75,8 +75,11 @@ def test_replies_without_a_valid_letter_are_counted_as_failed_and_warned_once(ca
 
 
 def test_max_judge_failures_is_a_validated_share():
-    for bad in (1.5, -0.1, "half", True):
+    for bad in (1.5, -0.1):
         with pytest.raises(ConfigError, match=r"max_judge_failures must be a share in \[0, 1\], got"):
+            build_reward("caption_qa", {"max_judge_failures": bad})
+    for bad in ("half", True):  # not a number: refused by its annotation, before the reward's own check
+        with pytest.raises(ConfigError, match=r"max_judge_failures: expected a number, got"):
             build_reward("caption_qa", {"max_judge_failures": bad})
     with pytest.raises(ConfigError, match=r"^rewards\[0\]\.params: caption_qa: max_judge_failures must be a share "
                                           r"in \[0, 1\], got 2$"):
