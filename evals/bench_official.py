@@ -47,19 +47,16 @@ SYNTHETIC = ("synthetic", "synthetic_ood")  # generated, not read: records carry
 # The styles each benchmark can be asked in; the first is the default.
 STYLES = {"mathvista": ("zero-shot",), "mathverse": ("cot", "direct"), "geometry3k": ("math",),
           "clevr_count": ("r1v",), "synthetic": ("tag",), "synthetic_ood": ("tag",)}
-TEMPLATES: dict[str, str] = {
-    "mathvista": "mathvista.build_query/zero-shot@v1",
-    "mathverse": "mathverse.query_cot|query_wo@v1",
-    "geometry3k": "easyr1.format_prompt/math.jinja@v1",
-    "clevr_count": "r1v.grpo.QUESTION_TEMPLATE@v1",
-    "synthetic": "mmrl.vqa.PROMPTS[tag]@v1", "synthetic_ood": "mmrl.vqa.PROMPTS[tag]@v1",
-}
-GRADER_VERSIONS: dict[str, str] = {
-    "mathvista": "mathvista.calculate_score.normalize_extracted_answer+safe_equal@v1",
-    "mathverse": "mathverse.rules(letter|compare_open+math-verify)@v1",
-    "geometry3k": "easyr1.math.last_boxed+compare_open@v1",
-    "clevr_count": "r1v.counting.integer_equal@v1",
-    "synthetic": "mmrl.rewards.vqa.answer_accuracy@v1", "synthetic_ood": "mmrl.rewards.vqa.answer_accuracy@v1",
+# Each benchmark's (prompt template, grader) as provenance records them: where each comes from, and
+# a version bumped whenever its text or rule changes (--compare refuses results that differ).
+VERSIONS: dict[str, tuple[str, str]] = {
+    "mathvista": ("mathvista.build_query/zero-shot@v1",
+                  "mathvista.calculate_score.normalize_extracted_answer+safe_equal@v1"),
+    "mathverse": ("mathverse.query_cot|query_wo@v1", "mathverse.rules(letter|compare_open+math-verify)@v1"),
+    "geometry3k": ("easyr1.format_prompt/math.jinja@v1", "easyr1.math.last_boxed+compare_open@v1"),
+    "clevr_count": ("r1v.grpo.QUESTION_TEMPLATE@v1", "r1v.counting.integer_equal@v1"),
+    "synthetic": ("mmrl.vqa.PROMPTS[tag]@v1", "mmrl.rewards.vqa.answer_accuracy@v1"),
+    "synthetic_ood": ("mmrl.vqa.PROMPTS[tag]@v1", "mmrl.rewards.vqa.answer_accuracy@v1"),
 }
 
 # MathVista's hints (build_query.py), by answer type and, for floats, precision.

@@ -251,14 +251,15 @@ def main(args) -> int:
         if not dist.is_main:
             return 0
     ordered = [replies[i] for i in range(len(records))]
-    from mmrl.evals.bench_official import GRADER_VERSIONS, TEMPLATES
+    from mmrl.evals.bench_official import VERSIONS
 
     sampling = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
                 "style": args.style, "dtype": args.dtype, "engine": args.engine, "ranks": dist.world}
     record = score(records, prompts, ordered, args)
-    template = TEMPLATES[args.benchmark] + (f"/{args.style}" if args.style else "")
+    template, grader = VERSIONS[args.benchmark]
+    template += f"/{args.style}" if args.style else ""
     record["provenance"] = provenance(benchmark=args.benchmark, model=args.model, data_files=files,
-                                      prompt_template=template, grader=GRADER_VERSIONS[args.benchmark],
+                                      prompt_template=template, grader=grader,
                                       sampling=sampling, seed=args.seed, weights_dir=str(weights),
                                       split=args.split, limit=args.limit)
     if files == [] and args.benchmark in SYNTHETIC:  # a generated set: its identity is the generator's

@@ -25,7 +25,7 @@ from PIL import Image  # noqa: E402
 
 from mmrl.envs.vqa.benchmarks import load_benchmark, mathverse_options  # noqa: E402
 from mmrl.envs.vqa.task import VQATask  # noqa: E402
-from mmrl.evals.bench_official import (BENCHMARKS, GRADER_VERSIONS, TEMPLATES, breakdowns,  # noqa: E402
+from mmrl.evals.bench_official import (BENCHMARKS, VERSIONS, breakdowns,  # noqa: E402
                                        build_prompt, edit_distance, extract, grade, mathvista_query)
 from mmrl.rewards.vqa import MathJudge, compare_open  # noqa: E402
 
@@ -671,8 +671,8 @@ def test_registry_names_every_benchmark(mathvista):
     from mmrl.envs.vqa import benchmarks
 
     assert BENCHMARKS == (*benchmarks.BENCHMARKS, "synthetic", "synthetic_ood")  # every loader, the generated sets
-    assert set(TEMPLATES) == set(GRADER_VERSIONS) == set(BENCHMARKS)
-    assert all("@v" in v for v in (*TEMPLATES.values(), *GRADER_VERSIONS.values()))
+    assert set(VERSIONS) == set(BENCHMARKS)
+    assert all("@v" in v for pair in VERSIONS.values() for v in pair)
     with pytest.raises(ValueError, match=r"unknown benchmark 'mmmu'"):
         grade("mmmu", {}, "A")
     with pytest.raises(ValueError, match=r"mathvista record 'x' has no 'meta' dict \(got NoneType\)"):
@@ -714,7 +714,7 @@ def test_a_tiny_saved_qwen_vl_evaluates_on_each_benchmark_from_the_command_line(
             assert s["prompt"].count(IMAGE_TOKEN) == len(r["images"])
         verdicts = [grade(name, r, extract(name, r, s["reply"])) for r, s in zip(records, sent)]
         assert [it["correct"] for it in rec["items"]] == verdicts, name
-        assert rec["provenance"]["grader"] == GRADER_VERSIONS[name] and rec["provenance"]["data_sha256"]
+        assert rec["provenance"]["grader"] == VERSIONS[name][1] and rec["provenance"]["data_sha256"]
         if tables[name]:
             assert sum(c["n"] for c in rec["scores"]["rule"]["breakdowns"][tables[name]].values()) >= len(records)
     assert "mathverse: " in capsys.readouterr().out

@@ -17,6 +17,7 @@ from .registry import (
     AlgorithmError,
     as_bool_mask,
     check_finite,
+    check_known_params,
     get_advantage_spec,
     register_advantage,
 )
@@ -175,12 +176,7 @@ def _prep_rewards(rewards: Any) -> Tensor:
 def compute_advantages(name: str, rewards: Tensor, group_ids: Tensor, **params: Any) -> Tensor:
     """Per-sequence advantages [N] from outcome rewards [N] and group ids [N] with estimator `name`."""
     spec = get_advantage_spec(name)
-    bad = sorted(set(params) - set(spec.params))
-    if bad:
-        raise AlgorithmError(
-            f"unknown parameter(s) {', '.join(bad)} for advantage {name!r}; "
-            f"accepted: {', '.join(spec.params) or '(none)'}"
-        )
+    check_known_params("advantage", name, params, spec.params)
     r = _prep_rewards(rewards)
     groups = make_groups(group_ids, n=r.shape[0], device=r.device)
     with torch.no_grad():

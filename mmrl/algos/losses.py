@@ -18,6 +18,7 @@ from .registry import (
     AlgorithmError,
     as_bool_mask,
     check_finite,
+    check_known_params,
     get_loss_spec,
     register_loss,
     unknown_name_error,
@@ -442,12 +443,7 @@ def policy_loss(
     ratio over masked tokens; the sequence ratio for gspo, gspo_token and gmpo).
     """
     spec = get_loss_spec(name)
-    bad = sorted(set(params) - set(spec.accepted_params))
-    if bad:
-        raise AlgorithmError(
-            f"unknown parameter(s) {', '.join(bad)} for loss {spec.name!r}; "
-            f"accepted: {', '.join(spec.accepted_params)}"
-        )
+    check_known_params("loss", spec.name, params, spec.accepted_params)
     agg = params.pop("agg", None) or spec.default_agg
     max_response_len = params.pop("max_response_len", None)
     denominator = params.pop("denominator", None)

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = [
     "AlgorithmError",
+    "check_known_params",
     "AGG_MODES",
     "LossSpec",
     "AdvantageSpec",
@@ -184,6 +185,14 @@ def register_kl(name: str, *, citation: str, description: str | None = None):
         return fn
 
     return deco
+
+
+def check_known_params(kind: str, name: str, params: Any, accepted: Any) -> None:
+    """Raise AlgorithmError naming the parameters of `params` that the `kind` `name` does not accept."""
+    bad = sorted(set(params) - set(accepted))
+    if bad:
+        raise AlgorithmError(f"unknown parameter(s) {', '.join(bad)} for {kind} {name!r}; "
+                             f"accepted: {', '.join(accepted) or '(none)'}")
 
 
 def get_loss_spec(name: str) -> LossSpec:
