@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import yaml
 
-from mmrl.config_checks import ConfigError, build_dataclass, check, check_names
+from mmrl.config_checks import ConfigError, build_dataclass, check, check_names, check_params, coerce
 
 
 # train.logprob_chunk: 0 (the default) sizes a chunk of the output head to this many logits, 32M
@@ -429,7 +429,7 @@ def check_values(cfg: RunConfig) -> None:
 
 def check_algorithm_names(cfg: RunConfig):
     """The loss, estimator and KL estimator against mmrl.algos, with their params; the loss's spec."""
-    from mmrl.algos import get_advantage_spec, get_loss_spec, list_algorithms
+    from mmrl.algos import AGG_MODES, get_advantage_spec, get_loss_spec, list_algorithms
 
     try:
         loss_spec = get_loss_spec(cfg.algo.loss)
@@ -437,11 +437,21 @@ def check_algorithm_names(cfg: RunConfig):
         raise ConfigError(f"algo.loss: {exc}") from None
     check_names(cfg.algo.loss_params, [p for p in loss_spec.accepted_params if p not in ("denominator", "weights")],
                  f"algo.loss_params (loss {cfg.algo.loss!r})")
+    # A loss's params are typed by its defaults (numbers), its aggregation by the four modes.
+    types = {k: type(v) for k, v in loss_spec.defaults.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for key, value in cfg.algo.loss_params.items():
+        if key == "agg":
+            coerce(value, Literal[AGG_MODES], "algo.loss_params.agg")
+        elif key == "max_response_len":
+            coerce(value, int, "algo.loss_params.max_response_len")
+        elif key in types:
+            coerce(value, float, f"algo.loss_params.{key}")
     estimators = [name for name, *_ in list_algorithms()["advantage"]]
     adv = cfg.algo.resolved_advantage()
     check(adv in estimators, f"algo.advantage: unknown estimator {adv!r}; valid: {', '.join(sorted(estimators))}")
-    check_names(cfg.algo.advantage_params, [p for p in get_advantage_spec(adv).params if p != "mask"],
-                 f"algo.advantage_params (estimator {adv!r})")
+    spec, where = get_advantage_spec(adv), f"algo.advantage_params (estimator {adv!r})"
+    check_names(cfg.algo.advantage_params, [p for p in spec.params if p != "mask"], where)
+    check_params(spec.fn, cfg.algo.advantage_params, where, skip=2, internal=("mask",))  # the values' types
     kl_kinds = [name for name, *_ in list_algorithms()["kl"]]
     check(cfg.algo.kl_kind in kl_kinds, f"algo.kl_kind: invalid value {cfg.algo.kl_kind!r}; valid: {', '.join(kl_kinds)}")
     return loss_spec

@@ -185,8 +185,8 @@ def test_a_stage_in_a_file_of_its_own_plugs_in_from_the_config(tmp_path):
 
 
 def test_every_registered_component_declares_a_typed_config():
-    """Policies, like stages, declare the dataclass of their params; tasks and rewards are checked as
-    the dataclass of their signature. A value of the wrong type or one the config refuses is one
+    """Policies, like stages, declare the dataclass of their params; tasks, rewards and estimators
+    are checked as the dataclass of their signature, a loss's params by its defaults' types. A value of the wrong type or one the config refuses is one
     line at load, naming the key."""
     import dataclasses
 
@@ -198,7 +198,11 @@ def test_every_registered_component_declares_a_typed_config():
                                 "integer, got 'many' (QwenVLPolicy)"),
                                ("model.params.max_image_tokens=0", "model.params.max_image_tokens must be >= 1"),
                                ("task.params.n_train=many", "task.params (task 'vqa'): n_train: expected an integer, "
-                                "got 'many'")]:
+                                "got 'many'"),
+                               ("algo.loss_params.eps_high=wide", "algo.loss_params.eps_high: expected a number"),
+                               ("algo.loss_params.agg=sum", "algo.loss_params.agg: invalid value 'sum'; valid: "),
+                               ("algo.advantage_params.eps=x", "algo.advantage_params (estimator 'grpo'): eps: "
+                                "expected a number, got 'x'")]:
         with pytest.raises(ConfigError) as e:
             load_config(None, ["model.policy=qwen_vl", "task.name=vqa", override])
         assert fragment in str(e.value) and "\n" not in str(e.value)
