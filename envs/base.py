@@ -2,7 +2,8 @@
 
 A task is a prompt source (`next_batch`, `eval_batch`, `sft_batch`, `state_dict`) registered by
 name with `register_task`. Subclass `TaskBase` and override only the hooks a domain has: a domain
-metric (`evaluate`), the metric a run's headline reports (`headline`), and the domain whose reports `mmrl train` and `mmrl eval --checkpoint` write (`REPORT`, a name of
+metric (`evaluate`), the metric a run's headline reports (`headline`), and the domain whose
+reports `mmrl train` and `mmrl eval --checkpoint` write (`REPORT`, a name of
 mmrl.evals.reports.REPORTS).
 """
 
