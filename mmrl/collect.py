@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from mmrl import distributed
-from mmrl.run_config import RunConfig
 from mmrl.distributed import Dist
 from mmrl.rewards import Reward, RewardFailure, build_reward
 from mmrl.rollout import Rollout
+from mmrl.run_config import RunConfig
 from mmrl.stages import RolloutStage
 
 
@@ -107,6 +107,7 @@ class Collector:
         survive or `algo.max_sampling_tries` is hit (then say so in the metrics)."""
         P, G = self.cfg.train.prompts_per_step, self.cfg.sampling.group_size
         parts, kept_groups, tries, stats = [], 0, 0, defaultdict(float)
+        self.metric_weights = {}  # this step's reward metrics' weights only
         for stage in self.stages:
             stage.begin()
         for round_ in range(max(1, self.cfg.algo.max_sampling_tries)):

@@ -438,20 +438,20 @@ def check_algorithm_names(cfg: RunConfig):
     check_names(cfg.algo.loss_params, [p for p in loss_spec.accepted_params if p not in ("denominator", "weights")],
                  f"algo.loss_params (loss {cfg.algo.loss!r})")
     # A loss's params are typed by its defaults (numbers), its aggregation by the four modes.
-    types = {k: type(v) for k, v in loss_spec.defaults.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     for key, value in cfg.algo.loss_params.items():
+        default = loss_spec.defaults.get(key)
         if key == "agg":
             coerce(value, Literal[AGG_MODES], "algo.loss_params.agg")
         elif key == "max_response_len":
             coerce(value, int, "algo.loss_params.max_response_len")
-        elif key in types:
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
             coerce(value, float, f"algo.loss_params.{key}")
     estimators = [name for name, *_ in list_algorithms()["advantage"]]
     adv = cfg.algo.resolved_advantage()
     check(adv in estimators, f"algo.advantage: unknown estimator {adv!r}; valid: {', '.join(sorted(estimators))}")
-    spec, where = get_advantage_spec(adv), f"algo.advantage_params (estimator {adv!r})"
-    check_names(cfg.algo.advantage_params, [p for p in spec.params if p != "mask"], where)
-    check_params(spec.fn, cfg.algo.advantage_params, where, skip=2, internal=("mask",))  # the values' types
+    # names, and values against the estimator's annotations (its params are its keyword arguments)
+    check_params(get_advantage_spec(adv).fn, cfg.algo.advantage_params, f"algo.advantage_params (estimator {adv!r})",
+                 skip=2, internal=("mask",))
     kl_kinds = [name for name, *_ in list_algorithms()["kl"]]
     check(cfg.algo.kl_kind in kl_kinds, f"algo.kl_kind: invalid value {cfg.algo.kl_kind!r}; valid: {', '.join(kl_kinds)}")
     return loss_spec

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from mmrl import distributed
-from mmrl.run_config import RunConfig
 from mmrl.distributed import RANK_SEED_STRIDE, Dist
 from mmrl.logger import progress
+from mmrl.run_config import RunConfig
 from mmrl.update import clip_grad_norm, make_adamw, warmup_cosine
 
 

@@ -27,11 +27,11 @@ from mmrl.checkpoint import (atomic_write_text, check_same_run, discard_run, fin
                              resolve_checkpoint, rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state,
                              write_run_config)
 from mmrl.collect import Collector
-from mmrl.run_config import RunConfig
 from mmrl.distributed import RANK_SEED_STRIDE, Dist
 from mmrl.logger import MetricsLogger, SilentLogger, progress, say
 from mmrl.rewards import RewardFailure
 from mmrl.rollout import Rollout
+from mmrl.run_config import RunConfig
 from mmrl.run_control import StopRequest, TrainingFailed, TrainingInterrupted
 from mmrl.sft import WarmStart
 from mmrl.update import Updater

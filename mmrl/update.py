@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from mmrl import algos, distributed
-from mmrl.run_config import RunConfig
 from mmrl.distributed import Dist
 from mmrl.rollout import Rollout, token_budget_batches
+from mmrl.run_config import RunConfig
 from mmrl.stages import AdvantageInputs, LossTerm, Stages, TermInputs
 
 

@@ -20,6 +20,8 @@ registers its class (docs/architecture.md, "Add a stage").
 
 from __future__ import annotations
 
+import dataclasses
+
 from mmrl.config_checks import ConfigError
 from mmrl.stages.base import (STAGES, AdvantageInputs, AdvantageTransform, AuxiliaryLoss, RewardShaper, RolloutStage,
                               Stage, Stages, build_stage, group_contexts, register_stage)
@@ -57,8 +59,6 @@ LEGACY_KEYS: dict[str, str] = {
 
 def list_stages() -> list[tuple[str, str, str, str]]:
     """(name, kinds, fields with defaults, the docstring's first sentence) of every registered stage."""
-    import dataclasses
-
     rows = []
     for name, cls in sorted(STAGES.items()):
         kinds = "/".join(base.__name__ for base in (RolloutStage, RewardShaper, AdvantageTransform, LossTerm,
