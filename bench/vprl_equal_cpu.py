@@ -37,7 +37,7 @@ SMOKE = ["sft.steps=20", "train.steps=2", "train.eval_size=12", "train.eval_ever
 def _run(config: str, overrides: list[str]) -> tuple[RunConfig, dict, float, float]:
     """Train like `mmrl train`; returns (config, results, training CPU-s without evaluations, stage-1 CPU-s)."""
     cfg = load_config(config, overrides)
-    task, results, cpu_s = run_training(cfg, resume=False)
+    task, results, cpu_s, _ = run_training(cfg, resume=False)
     rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
     sft_cpu = next((r["sft/cpu_s"] for r in rows if "sft/cpu_s" in r), 0.0)
     return cfg, results, task.training_cpu_s(cpu_s), sft_cpu

@@ -119,12 +119,14 @@ class TaskBase:
         and report.md opens with them. Default: the mean held-out reward."""
         return headline_rows(before, after, [HELD_OUT_REWARD])
 
-    def load_for_eval(self, policy, checkpoint: str | Path, splits: list[str] | None = None) -> tuple[Path, dict]:
-        """Load `checkpoint` (a run folder or a checkpoint in one) into `policy` for `mmrl eval`:
-        (the checkpoint's run folder, its saved state). `splits` is refused: this task has one held-out set."""
-        from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
+    def load_for_eval(self, policy, checkpoint: str | Path, splits: list[str] | None = None) -> tuple[Path, int]:
+        """Load the weights of `checkpoint` (a run folder or a checkpoint in one) into `policy` for
+        `mmrl eval`: (the checkpoint's run folder, its step); its trainer state is not read. `splits`
+        is refused: this task has one held-out set."""
+        from mmrl.checkpoint import checkpoint_step, load_weights, resolve_checkpoint
 
         if splits:
             raise ValueError(f"--splits: {type(self).__name__} has one held-out set; --splits is for planning tasks")
         run_dir, ckpt = resolve_checkpoint(checkpoint)
-        return Path(run_dir), load_whole_checkpoint(ckpt, policy.model)
+        load_weights(ckpt, policy.model)
+        return Path(run_dir), checkpoint_step(ckpt)

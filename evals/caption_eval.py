@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="output folder (default: CHECKPOINT/eval)")
     a = p.parse_args(argv)
 
-    from mmrl.checkpoint import load_checkpoint
+    from mmrl.checkpoint import load_weights, resolve_checkpoint
     from mmrl.assemble import build
     from mmrl.config import load_config
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, tuple[dict, dict]] = {}
     for name, ckpt in (("before", a.before), ("after", a.checkpoint)):
         if ckpt:
-            load_checkpoint(ckpt, policy.model)
+            load_weights(resolve_checkpoint(ckpt)[1], policy.model)
             results[name] = evaluate_captioner(policy, contexts, task.judge, k=k)
     out = Path(a.out or Path(a.checkpoint) / "eval")
     report = write_caption_report(out, contexts, results, k)

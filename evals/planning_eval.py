@@ -365,12 +365,12 @@ def report_checkpoint(cfg, task, policy, checkpoint: str | Path | None, out: str
     report's Markdown file."""
     import torch
 
-    from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
+    from mmrl.checkpoint import load_weights, resolve_checkpoint
 
     run_dir = Path(cfg.train.output_dir)
     if checkpoint:
         run_dir, ckpt = resolve_checkpoint(checkpoint)
-        load_whole_checkpoint(ckpt, policy.model)
+        load_weights(ckpt, policy.model)
     out = Path(out or run_dir / "eval")
     with torch.no_grad():
         record = write_planner_report(policy, task, out, method or run_dir.name, splits, n, run_dir=run_dir)

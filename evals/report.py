@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mmrl.checkpoint import atomic_write_text
 from mmrl.envs.base import HELD_OUT_REWARD, Headline, headline_rows
 
 
@@ -128,8 +130,10 @@ def plot_curves(run_dir: str | Path, out: str | Path | None = None, headline: Se
 
     out = Path(out or Path(run_dir) / "curves.png")
     fig = curves_figure(rows, headline, evals)
-    fig.savefig(out, dpi=110)
+    tmp = out.with_name(f".tmp_{out.name}")  # renamed into place: a kill never leaves half a picture
+    fig.savefig(tmp, dpi=110, format=out.suffix.lstrip(".") or "png")
     plt.close(fig)
+    os.replace(tmp, out)
     return out
 
 
@@ -154,7 +158,7 @@ def write_report(run_dir: str | Path, headline: Sequence[Headline] | None = None
     if png is not None:
         md += ["", f"![training curves]({png.name})"]
     out = run_dir / "report.md"
-    out.write_text("\n".join(md) + "\n")
+    atomic_write_text(out, "\n".join(md) + "\n")
     return out
 
 

@@ -16,10 +16,10 @@ def held_out(cfg, task, policy, checkpoint, output=None, splits=None) -> Path:
     eval.json in the checkpoint's run folder); returns the file written."""
     from mmrl.trainer import Trainer
 
-    run_dir, state = task.load_for_eval(policy, checkpoint, splits)
+    run_dir, step = task.load_for_eval(policy, checkpoint, splits)
     cfg.train.output_dir = str(run_dir)  # the evaluation belongs to the checkpoint's run
     trainer = Trainer(cfg, policy, task)
-    trainer.step = state["step"]  # the results are labelled with the checkpoint's step
+    trainer.step = step  # the results are labelled with the checkpoint's step
     result = trainer.evaluate()
     out = Path(output or Path(run_dir) / "eval.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -335,7 +335,7 @@ def saved_policy_kind(path: str | Path) -> str | None:
 def load_saved_policy(cfg, checkpoint: str | None):
     """The config's policy with the checkpoint's weights: a run dir (latest step), a step_NNNNNN
     dir, or a directory written by `policy.save` (the run's final/)."""
-    from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
+    from mmrl.checkpoint import load_weights, resolve_checkpoint
     from mmrl.assemble import build
 
     run_dir = Path(cfg.train.output_dir)
@@ -354,7 +354,7 @@ def load_saved_policy(cfg, checkpoint: str | None):
         return task, policy, ckpt.parent
     run_dir, ckpt = resolve_checkpoint(ckpt)
     task, policy = build(cfg)
-    load_whole_checkpoint(ckpt, policy.model)
+    load_weights(ckpt, policy.model)
     return task, policy, run_dir
 
 

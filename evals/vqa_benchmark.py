@@ -67,7 +67,7 @@ def load_policy(model: str, device: str, dtype: str, max_new_tokens: int, engine
     vLLM engine generates (all of the GPU it may take: nothing trains beside it)."""
     import torch
 
-    from mmrl.checkpoint import RUN_CONFIG, load_whole_checkpoint, resolve_checkpoint, run_dir_of
+    from mmrl.checkpoint import RUN_CONFIG, load_weights, resolve_checkpoint, run_dir_of
     from mmrl.hub import resolve
     from mmrl.policies.qwen_vl import QwenVLPolicy
 
@@ -83,7 +83,7 @@ def load_policy(model: str, device: str, dtype: str, max_new_tokens: int, engine
                              f"evaluate image question answering models (policy qwen_vl)")
         _, policy = build(cfg)
         ckpt = resolve_checkpoint(local)[1]
-        load_whole_checkpoint(ckpt, policy.model)
+        load_weights(ckpt, policy.model)  # the weights only: the trainer state is not read
         return _with_engine(policy, engine, "bfloat16" if cfg.train.bf16 else cfg.model.dtype, seed), ckpt
     folder = resolve(model, "model", "--model")
     if not (folder / "config.json").is_file():

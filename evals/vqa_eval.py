@@ -26,13 +26,14 @@ def report_checkpoint(cfg, task, policy, checkpoint, out=None, splits=None) -> P
     """Load `checkpoint`, evaluate it on the whole held-out set, write the report; returns the Markdown file."""
     import torch
 
-    from mmrl.checkpoint import load_whole_checkpoint, resolve_checkpoint
+    from mmrl.checkpoint import checkpoint_step, load_weights, resolve_checkpoint
 
     if splits:
         raise ValueError("--splits: a vqa task reports its held-out set, the blank-image set and the harder level "
                          "together; --splits is for planning tasks")
     run_dir, ckpt = resolve_checkpoint(checkpoint)
-    state = load_whole_checkpoint(ckpt, policy.model)
+    load_weights(ckpt, policy.model)
+    step = checkpoint_step(ckpt)
     out = Path(out or run_dir / "eval")
     out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
@@ -40,11 +41,11 @@ def report_checkpoint(cfg, task, policy, checkpoint, out=None, splits=None) -> P
         shown = task.test[:SAMPLES]
         replies = task.replies(policy, shown, temperature=0.0)
     scored = task.score(shown, replies)
-    record = {"checkpoint": str(checkpoint), "step": state["step"], "n_test": len(task.test), "metrics": metrics}
+    record = {"checkpoint": str(checkpoint), "step": step, "n_test": len(task.test), "metrics": metrics}
     (out / "vqa_eval.json").write_text(json.dumps(record, indent=2))
     (out / "vqa_eval.md").write_text(markdown(record))
     plot = accuracy_by_step(run_dir, out / "accuracy_by_step.png")
-    (out / "samples.html").write_text(samples_page(shown, replies, scored["correct"], state["step"]))
+    (out / "samples.html").write_text(samples_page(shown, replies, scored["correct"], step))
     print(markdown(record), end="")
     if plot is None:
         print("(no evaluations logged in the run yet: accuracy_by_step.png not written)")

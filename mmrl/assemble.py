@@ -4,8 +4,10 @@ probing them. Above the tasks and policies it joins, below the evaluations that 
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmrl.distributed import resolve_device
@@ -24,6 +26,10 @@ def build(cfg) -> tuple[Any, Any]:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=local))
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
+    # Python's and numpy's global generators too: a library may draw from them, and a checkpoint
+    # saves their states, which then match between a run and its resumed twin.
+    random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     task = make_task(cfg.task.name, seed=cfg.train.seed, **cfg.task.params)
     policy = build_policy(cfg, task, resolve_device(cfg.train.device))

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,7 +16,8 @@ from mmrl import build
 
 def run_training(cfg, resume: bool = True):
     """Build the task and policy of `cfg` and train; returns (task, results, process CPU-s of the
-    training call, evaluations included)."""
+    training call, evaluations included, whether the folder's run had finished before: then nothing
+    was trained or written)."""
     from mmrl import distributed
     from mmrl.checkpoint import check_same_run
     from mmrl.trainer import Trainer
@@ -25,7 +29,7 @@ def run_training(cfg, resume: bool = True):
     trainer = Trainer(cfg, policy, task, dist=dist)
     cpu0 = time.process_time()
     results = trainer.train(resume=resume)
-    return task, results, time.process_time() - cpu0
+    return task, results, time.process_time() - cpu0, trainer.already_finished
 
 
 def cmd_train(args) -> int:
@@ -37,7 +41,7 @@ def cmd_train(args) -> int:
         return launch(args)
     cfg = load_config(args.config, args.overrides)
     try:
-        task, results, cpu_s = run_training(cfg, resume=not args.no_resume)
+        task, results, cpu_s, finished_before = run_training(cfg, resume=not args.no_resume)
     except TrainingInterrupted as stop:
         command = " ".join(["mmrl train", args.config, *args.overrides])
         print(f"mmrl: {stop.signal_name} {stop.where}; checkpoint saved to {stop.checkpoint}. "
@@ -55,8 +59,12 @@ def cmd_train(args) -> int:
 
     before, after = results["eval_before"], results["eval_after"]
     headline = task.headline(before, after)  # the domain's README metric, e.g. VQA accuracy, VLA success %
-    summary = summarize(task, results, cfg.train.output_dir, cpu_s=cpu_s)  # e.g. planning's EM / PR table by size
-    report = write_report(cfg.train.output_dir, headline, summary)
+    report = Path(cfg.train.output_dir) / "report.md"
+    if finished_before and report.is_file():  # the command of a finished run writes nothing: its report stands
+        summary = ""
+    else:
+        summary = summarize(task, results, cfg.train.output_dir, cpu_s=cpu_s)  # e.g. planning's EM / PR table by size
+        report = write_report(cfg.train.output_dir, headline, summary)
     print(headline_text(headline, before["step"], after["step"]), end="")
     print(summary, end="")
     print(f"results: {Path(cfg.train.output_dir) / 'results.json'}  report: {report}")
@@ -75,7 +83,7 @@ def launch(args) -> int:
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, once, not in N processes
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "--max-restarts=0", "-m", "mmrl.cli", "train", args.config, *args.overrides,
-           *(["--no-resume"] if args.no_resume else [])]
+           *(["--no-resume"] if args.no_resume else []), *(["--trust-checkpoint"] if args.trust_checkpoint else [])]
     code = subprocess.call(cmd)
     if code != 0:
         latest = find_latest(cfg.train.output_dir)
@@ -177,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-resume", action="store_true", help="start fresh even if the output dir has a checkpoint")
     p.add_argument("--nproc", type=int, default=1, help="train with N processes on this machine (torchrun; "
                    "one per GPU, or CPU ranks with gloo)")
+    p.add_argument("--trust-checkpoint", action="store_true", help="load checkpoint state with pickle, which runs any "
+                   "code the file holds: only for a run folder you wrote yourself with an older mmrl (its "
+                   "trainer_state.pt holds numpy state); without it such a file is refused")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="evaluate a checkpoint on the task's held-out set, with its run's own config")
     p.add_argument("config", nargs="?", help="optional: the run's own config.yaml is used; a CONFIG given must "
@@ -193,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="--benchmark: a Hugging Face model folder or hub id, a run's final/ export, or a "
                    "run folder / step_NNNNNN checkpoint")
     p.add_argument("--seed", type=int, default=0, help="--benchmark: the sampling / environment seed (default 0)")
+    p.add_argument("--trust-checkpoint", action="store_true", help="load checkpoint state with pickle, which runs any "
+                   "code the file holds: only for a run folder you wrote yourself with an older mmrl (its "
+                   "trainer_state.pt holds numpy state); without it such a file is refused")
     vqa_benchmark.add_arguments(p)
     libero_benchmark.add_arguments(p)
     p.set_defaults(fn=cmd_eval)
@@ -220,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("caption-filter", help="CapRL's with/without-image QA filter (own arguments: -h)")
     sub.add_parser("caption-eval", help="Prism-style caption eval with a before/after gallery (own arguments: -h)")
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = None
     if argv and argv[0] in PASSTHROUGH:
         run = lambda: PASSTHROUGH[argv[0]](argv[1:])
     else:
@@ -229,12 +244,56 @@ def main(argv: list[str] | None = None) -> int:
     from mmrl.checkpoint import CheckpointError
     from mmrl.config import ConfigError
     from mmrl.envs import MissingExtraError
+    from mmrl.rewards import RewardFailure
+    from mmrl.rollout import Diverged
 
     try:
-        return run()
+        with trusted_checkpoints(args):
+            return run()
     except (ConfigError, CheckpointError, MissingExtraError, FileNotFoundError, ValueError) as exc:
         print(f"mmrl: error: {exc}", file=sys.stderr)
         return 2
+    except (Diverged, RewardFailure) as exc:  # outside training (`mmrl eval`): diverged weights, a reward's fault
+        print(f"mmrl: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a write that failed for space or I/O outside a checkpoint (the log, results, a report)
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        print(f"mmrl: error: {write_error_line(exc)}", file=sys.stderr)
+        return 2
+
+
+# A write that fails for space or I/O: no space, a file-size or quota limit, a device error.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO, errno.EROFS}
+
+
+def write_error_line(exc: OSError) -> str:
+    """One line for a write that failed for space or I/O: the file, the reason and the space free there."""
+    import shutil
+
+    where = Path(exc.filename or ".").resolve()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    return (f"could not write {exc.filename or 'a file'}: {exc.strerror}; {free / 1e9:.1f} GB are free there. "
+            f"Checkpoints already saved are whole: free space and run the same command again")
+
+
+@contextlib.contextmanager
+def trusted_checkpoints(args: argparse.Namespace | None):
+    """`--trust-checkpoint`: the command loads checkpoint state with pickle (mmrl.checkpoint.
+    trust_checkpoints), and says so in one line from the process that loads it (rank 0; `--nproc N`
+    hands the flag to its ranks); as before the command after it."""
+    from mmrl import checkpoint
+
+    trust, before = bool(getattr(args, "trust_checkpoint", False)), checkpoint.TRUST_CHECKPOINT
+    if trust and getattr(args, "nproc", 1) <= 1 and os.environ.get("RANK", "0") == "0":
+        print(f"mmrl: warning: {checkpoint.TRUST_NOTE}", file=sys.stderr)
+    checkpoint.trust_checkpoints(trust or before)
+    try:
+        yield
+    finally:
+        checkpoint.trust_checkpoints(before)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -2,7 +2,8 @@
 the rewards, and keep what the rollout stages (mmrl.stages) keep.
 
 The collector holds what collecting moves: the group-id counter, the training rewards (whose state
-moves with training) and, under torchrun, a reward fault to raise on every rank together.
+moves with training) and, under torchrun, a fault (a reward's, or sampling's) to raise on every rank
+together.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from mmrl import distributed
 from mmrl.distributed import Dist
-from mmrl.rewards import Reward, RewardFailure, build_reward
-from mmrl.rollout import Rollout
+from mmrl.rewards import Reward, RewardFailure, build_reward, check_finite_reward
+from mmrl.rollout import NonFiniteSampling, Rollout
 from mmrl.run_config import RunConfig
 from mmrl.stages import RolloutStage
 
@@ -33,7 +34,7 @@ class Collector:
         self.rewards = self.build_rewards()
         self.group_offset = 0
         self.filler: Rollout | None = None  # FSDP: a sampled row to pad a rank's batch with (Updater.pad_rows)
-        self.reward_fault: RewardFailure | None = None  # under torchrun, raised on every rank at once
+        self.fault: RewardFailure | NonFiniteSampling | None = None  # under torchrun, raised on every rank at once
         # How many items each rank's value of a metric is a mean over (see distributed.reduce_metrics).
         self.metric_weights: dict[str, float] = {}
         self.summed_metrics: set[str] = set()  # rewards' per-call counts: summed over ranks
@@ -52,7 +53,11 @@ class Collector:
         with self.autocast, self.whole_model():
             parts = [self.policy.sample(contexts[lo:lo + per_call], group_size, generator=generator,
                                         temperature=temperature) for lo in range(0, len(contexts), per_call) or [0]]
-        return Rollout.concat(parts).stamp_groups(group_size, first_group)
+        rollout = Rollout.concat(parts).stamp_groups(group_size, first_group)
+        fault = nonfinite_sampling(rollout)
+        if fault is not None:
+            self.fault_met(fault)
+        return rollout
 
     def score(self, rollout: Rollout, rewards: list[tuple[str, float, Reward]] | None = None,
               outputs: list | None = None) -> torch.Tensor:
@@ -64,26 +69,33 @@ class Collector:
         for name, weight, reward in rewards or self.rewards:
             try:
                 r = reward(rollout.contexts, outputs).to(self.device, torch.float32)
+                check_finite_reward(name, r, rollout.contexts, outputs)
             except RewardFailure as fault:
-                if not self.dist.active:
-                    raise
-                # Under torchrun the other ranks are headed for collectives: go on with zeros and
-                # raise on every rank together (raise_faults).
-                self.reward_fault = self.reward_fault or fault
-                r = torch.zeros(len(rollout), device=self.device)
+                self.fault_met(fault)
+                r = torch.zeros(len(rollout), device=self.device)  # under torchrun, until raise_faults
             rollout.rewards[name] = r
             total = total + weight * r
         rollout.rewards["total"] = total
         return total
 
+    def fault_met(self, fault: RewardFailure | NonFiniteSampling) -> None:
+        """Raise `fault` at once in one process. Under torchrun the other ranks are headed for
+        collectives: keep it (the first) and go on, to raise on every rank together (raise_faults)."""
+        if not self.dist.active:
+            raise fault
+        self.fault = self.fault or fault
+
     def raise_faults(self) -> None:
-        """Raise the reward fault any rank met (the first rank's), on every rank; called where all ranks meet."""
+        """Raise the fault any rank met (the first rank's, as a reward's or sampling's), on every rank;
+        called where all ranks meet."""
         if not self.dist.active:
             return
-        message = distributed.first_message(self.dist, None if self.reward_fault is None else str(self.reward_fault))
-        self.reward_fault = None
-        if message is not None:
-            raise RewardFailure(message)
+        mine = None if self.fault is None else (isinstance(self.fault, NonFiniteSampling), str(self.fault))
+        self.fault = None
+        first = distributed.first_message(self.dist, mine)
+        if first is not None:
+            sampling, message = first
+            raise (NonFiniteSampling if sampling else RewardFailure)(message)
 
     def draw_contexts(self, n_fresh: int, n_replayed: int, sampling: bool) -> tuple[list[Any], int] | None:
         """This rank's `n_fresh` new contexts and the group id of its first context (its replayed
@@ -233,6 +245,18 @@ class Collector:
         self.group_offset = state["group_offset"]
         for (_, _, reward), reward_state in zip(self.rewards, state.get("rewards", [])):
             reward.load_state_dict(reward_state)
+
+
+def nonfinite_sampling(rollout: Rollout) -> NonFiniteSampling | None:
+    """The fault of a rollout whose sampled log-probs are NaN / inf on a trained unit (a policy with
+    diverged weights samples from non-finite logits, or makes non-finite latents), else None."""
+    bad = rollout.mask & ~torch.isfinite(rollout.logp_old)
+    n_bad = int(bad.sum())
+    if n_bad == 0:
+        return None
+    return NonFiniteSampling(f"the policy's outputs are not finite: its sampled log-probs are NaN/inf at {n_bad} of "
+                             f"{int(rollout.mask.sum())} sampled units, in {int(bad.any(1).sum())} of {len(rollout)} "
+                             f"samples (its weights have diverged)")
 
 
 def reward_stats(rewards: dict[str, torch.Tensor]) -> dict[str, float]:

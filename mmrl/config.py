@@ -141,7 +141,9 @@ def eval_config(checkpoint: str | Path, config: str | Path | None = None, overri
     run folder's own config.yaml, the resolved config the run was started with, with `overrides` on
     top. A `config` file given as well must agree with the run's on every key the weights were
     trained with (all but `mmrl.config.is_eval_key`); it is then used, with the overrides, as given.
-    A run folder without config.yaml (written before mmrl kept one) needs `config`."""
+    A run folder without config.yaml (written before mmrl kept one) needs `config`. The plugins its
+    config.yaml names are imported only under `--trust-checkpoint`: the folder may come from elsewhere."""
+    import mmrl.checkpoint
     from mmrl.checkpoint import (RUN_CONFIG, CheckpointError, config_differences, plain_config, read_run_config,
                                  run_dir_of)
 
@@ -152,6 +154,11 @@ def eval_config(checkpoint: str | Path, config: str | Path | None = None, overri
                                   f"the config it was trained with: mmrl eval CONFIG --checkpoint {checkpoint}")
         return load_config(config, overrides)
     run = read_run_config(run_dir)
+    if config is None and run.get("plugins") and not mmrl.checkpoint.TRUST_CHECKPOINT:
+        raise CheckpointError(f"{run_dir / RUN_CONFIG} names plugins ({', '.join(run['plugins'])}), which evaluating "
+                              f"with it would import, running their code; if you wrote this run folder yourself, "
+                              f"pass --trust-checkpoint, or give the config it was trained with: mmrl eval CONFIG "
+                              f"--checkpoint {checkpoint}")
     if config is not None:
         cfg = load_config(config, overrides)
         diff = config_differences(run, plain_config(cfg.to_dict()), lambda key: is_eval_key(key, run["task"]["name"]))

@@ -188,12 +188,13 @@ def gather_objects(d: Dist, items: list[Any]) -> list[Any]:
     return [x for part in every for x in part]
 
 
-def first_message(d: Dist, message: str | None) -> str | None:
-    """The first rank's (in rank order) message that is not None, on every rank; a fault one rank
-    met then ends the step on all of them together instead of leaving the others in a collective."""
+def first_message(d: Dist, message: Any) -> Any:
+    """The first rank's (in rank order) message (a picklable value) that is not None, on every rank;
+    a fault one rank met then ends the step on all of them together instead of leaving the others
+    in a collective."""
     if not d.active:
         return message
-    every: list[str | None] = [None] * d.world
+    every: list[Any] = [None] * d.world
     dist.all_gather_object(every, message)
     return next((m for m in every if m is not None), None)
 

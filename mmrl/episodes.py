@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl.rollout import NonFiniteSampling
+
 
 def task_env_factory(task) -> Callable[[list[dict]], Any] | None:
     """The env hook a task offers policies: its `env_factory` (a VectorEnvFactory that can also
@@ -98,6 +100,7 @@ def run_episodes(env_factory: Callable[[list[dict]], Any] | None, rows: list[dic
         idx = np.nonzero(~done)[0]
         actions, out = act(images[idx], states[idx], [instructions[i] for i in idx])
         actions = as_numpy(actions).astype(np.float32)
+        check_finite_actions(actions)
         full = np.zeros((N, *actions.shape[1:]), np.float32)
         full[idx] = actions
         step = env.step_chunk(full)
@@ -114,6 +117,15 @@ def run_episodes(env_factory: Callable[[list[dict]], Any] | None, rows: list[dic
         hook(rows)
     return Episodes(rows=rows, steps=steps, images=[np.stack(h) for h in hist_img],
                     states=[np.stack(h) for h in hist_state], done=done, success=success, env_steps=env_steps)
+
+
+def check_finite_actions(actions: np.ndarray) -> None:
+    """Refuse NaN / inf actions [B, n, A] before they reach a simulator (a policy whose weights
+    diverged samples them; MuJoCo would take them)."""
+    finite = np.isfinite(actions).reshape(len(actions), -1).all(1)
+    if not finite.all():
+        raise NonFiniteSampling(f"the policy's actions are not finite: NaN/inf in {int((~finite).sum())} of "
+                                f"{len(actions)} action chunks it sampled (its weights have diverged)")
 
 
 def image_hwc(x) -> np.ndarray:

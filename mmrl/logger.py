@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mmrl.checkpoint import atomic_write_text
+from mmrl.checkpoint import atomic_write_text, named_write_error
 
 
 def say(message: str) -> None:
@@ -35,6 +35,9 @@ class MetricsLogger:
         self.path = self.out_dir / "metrics.jsonl"
         self._tb = self._wandb = None
         self._repeats: dict[str, int] = {}  # warning kind -> times seen after the first
+        # Rows written to metrics.jsonl, once known (a fresh log, or one cut to a checkpoint's rows):
+        # a checkpoint records it, so that its resume keeps exactly the rows written before it.
+        self.rows: int | None = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -46,8 +49,7 @@ class MetricsLogger:
 
     def log(self, metrics: dict[str, Any], step: int, prefix_step: str = "step") -> None:
         row = {prefix_step: step, **{k: v for k, v in metrics.items() if k != "step"}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        self._append(row)
         numeric = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) and k != "step" and math.isfinite(float(v))}
         if self._tb is not None:
@@ -59,8 +61,7 @@ class MetricsLogger:
     def warn(self, message: str, kind: str | None = None) -> None:
         """Every warning goes to metrics.jsonl; on the console, a warning of a recurring `kind` is
         shown the first time only and counted, and `close` says how often it came back."""
-        with self.path.open("a") as f:
-            f.write(json.dumps({"warning": message}) + "\n")
+        self._append({"warning": message})
         if kind is not None:
             self._repeats[kind] = self._repeats.get(kind, -1) + 1
             if self._repeats[kind] > 0:
@@ -68,20 +69,36 @@ class MetricsLogger:
             message += " (shown once; metrics.jsonl has every occurrence)"
         say(f"warning: {message}")
 
+    def _append(self, row: dict[str, Any]) -> None:
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as exc:
+            raise named_write_error(exc, self.path) from None
+        if self.rows is not None:
+            self.rows += 1
+
     def reset(self) -> None:
         """A fresh run starts a fresh log."""
         self.path.unlink(missing_ok=True)
+        self.rows = 0
+
+    def truncate_to(self, rows: int) -> None:
+        """On resume, keep the first `rows` rows (those written before the checkpoint), so the file reads
+        as one uninterrupted run; an unchanged file is not written again."""
+        lines = self.path.read_text().splitlines(keepends=True) if self.path.is_file() else []
+        if len(lines) != rows or (lines and not lines[-1].endswith("\n")):
+            atomic_write_text(self.path, "".join(lines[:rows]))
+        self.rows = min(rows, len(lines))
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop rows logged after the checkpoint so the file reads as one clean run."""
+        """`truncate_to` for a checkpoint that does not record its rows: drop the rows of later steps."""
         if not self.path.is_file():
+            self.rows = 0
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            row = json.loads(line)
-            if row.get("step", -1) <= step:
-                kept.append(line)
+        kept = [line for line in self.path.read_text().splitlines() if json.loads(line).get("step", -1) <= step]
         atomic_write_text(self.path, "".join(x + "\n" for x in kept))
+        self.rows = len(kept)
 
     def close(self) -> None:
         for kind, more in self._repeats.items():
@@ -99,6 +116,7 @@ class SilentLogger(MetricsLogger):
 
     def __init__(self):
         self._repeats = {}
+        self.rows = None
 
     def log(self, metrics: dict[str, Any], step: int, prefix_step: str = "step") -> None:
         pass
@@ -107,6 +125,9 @@ class SilentLogger(MetricsLogger):
         pass
 
     def reset(self) -> None:
+        pass
+
+    def truncate_to(self, rows: int) -> None:
         pass
 
     def truncate_after(self, step: int) -> None:

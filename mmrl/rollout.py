@@ -15,6 +15,16 @@ import torch
 from mmrl.run_config import LOGPROB_CHUNK_LOGITS
 
 
+class Diverged(RuntimeError):
+    """The policy's numbers are no longer finite (NaN / inf): its loss, gradient or outputs. Its
+    weights have diverged, so training cannot go on; the trainer ends the run in one line naming
+    the newest checkpoint, without saving the diverged weights (mmrl.run_control.TrainingDiverged)."""
+
+
+class NonFiniteSampling(Diverged):
+    """Sampling met non-finite log-probs or actions: the policy's outputs, hence its weights, diverged."""
+
+
 @dataclass
 class Rollout:
     units: torch.Tensor  # [N, T, ...] tokens, codes or SDE states
@@ -420,7 +430,9 @@ def _sample_tokens(
             # below the last cumulative value, and `right=True` never lands on a p = 0 entry.
             cdf = probs.cumsum(-1)
             u = torch.rand((B, 1), generator=generator, device=device, dtype=cdf.dtype) * cdf[:, -1:]
-            tok = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+            # Clamped: non-finite logits (diverged weights) make the cdf NaN and the search land past
+            # the vocabulary; the token stays a valid id and its NaN log-prob is what the collector checks.
+            tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
         drawn_tokens.append(tok)
         drawn_logps.append(logp_all.gather(-1, tok[:, None]).squeeze(-1))
         finished |= tok == eos[0] if len(eos) == 1 else torch.isin(tok, eos)

@@ -195,6 +195,10 @@ class TrainConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 1.0
+    # An optimizer step whose loss or gradient norm is NaN / inf is skipped (logged as
+    # train/skipped_nonfinite); this many skipped in a row end the run in one line (it has
+    # diverged). 0: never stop, skip them all.
+    max_nonfinite_steps: int = 3
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     bf16: bool = True  # autocast on GPU only
@@ -320,6 +324,8 @@ VLLM_POLICIES = ("causal_lm", "qwen_vl")
 RUN_LENGTH_KEYS = frozenset({
     "train.steps", "train.output_dir", "train.save_every", "train.eval_every", "train.log_every",
     "train.progress", "train.tensorboard", "train.wandb", "train.wandb_project", "train.threads",
+    # when a diverging run stops: the steps it trains are the same (non-finite ones are skipped)
+    "train.max_nonfinite_steps",
     # how the run is spread over processes: a checkpoint of N ranks resumes at M, sharded or not
     "train.fsdp", "train.dist_timeout_s",
 })
@@ -497,6 +503,8 @@ def check_training(cfg: RunConfig) -> None:
     check(t.logprob_chunk >= 0, f"train.logprob_chunk must be >= 0 (tokens per chunk of the output head; "
                                  f"0 = sized to the vocabulary), got {t.logprob_chunk}")
     check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    check(t.max_nonfinite_steps >= 0, f"train.max_nonfinite_steps must be >= 0 (0 = never stop on non-finite "
+                                      f"steps, only skip them), got {t.max_nonfinite_steps}")
     check(len(t.betas) == 2, f"train.betas must be two numbers, got {t.betas}")
     check(t.dist_timeout_s > 0, f"train.dist_timeout_s must be > 0, got {t.dist_timeout_s}")
     if t.fsdp:  # FSDP needs the same forwards on every rank; these take a rank-dependent number

@@ -28,6 +28,18 @@ class TrainingFailed(Exception):
         self.reason, self.where, self.checkpoint = reason, where, checkpoint
 
 
+class TrainingDiverged(TrainingFailed):
+    """The policy's loss, gradient or outputs stopped being finite (mmrl.rollout.Diverged) `where`.
+    Nothing is saved (those weights are the diverged ones): `checkpoint` is the newest whole one
+    from before, or None."""
+
+    def __init__(self, reason: str, where: str, checkpoint: Path | None):
+        newest = checkpoint or "none yet (train.save_every: N saves one every N steps)"
+        Exception.__init__(self, f"{reason}; stopped {where}: the run has diverged (lower train.lr or raise "
+                                 f"train.warmup_steps, and train again); newest checkpoint: {newest}")
+        self.reason, self.where, self.checkpoint = reason, where, checkpoint
+
+
 class StopRequest:
     """While entered (main thread only), SIGINT and SIGTERM ask the training loop to stop at its next
     step boundary, where it saves a checkpoint; a second SIGINT stops at once, without one."""

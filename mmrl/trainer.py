@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -23,16 +24,17 @@ from typing import Any
 import torch
 
 from mmrl import algos, distributed, stages
-from mmrl.checkpoint import (atomic_write_text, check_same_run, discard_run, find_latest, load_whole_checkpoint,
-                             resolve_checkpoint, rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state,
-                             write_run_config)
+from mmrl.checkpoint import (WRITE_FAILURES, atomic_write_text, check_same_run, discard_run, find_latest,
+                             load_whole_checkpoint, remove_leftovers, replace_dir, resolve_checkpoint, rng_state,
+                             save_checkpoint, save_sharded_checkpoint, set_rng_state, size_text, tensor_bytes,
+                             write_failure, write_run_config)
 from mmrl.collect import Collector
 from mmrl.distributed import RANK_SEED_STRIDE, Dist
 from mmrl.logger import MetricsLogger, SilentLogger, progress, say
 from mmrl.rewards import RewardFailure
-from mmrl.rollout import Rollout
+from mmrl.rollout import Diverged, Rollout
 from mmrl.run_config import RunConfig
-from mmrl.run_control import StopRequest, TrainingFailed, TrainingInterrupted
+from mmrl.run_control import StopRequest, TrainingDiverged, TrainingFailed, TrainingInterrupted
 from mmrl.sft import WarmStart
 from mmrl.update import Updater
 
@@ -62,8 +64,11 @@ class Trainer:
         self.collector = Collector(cfg, policy, task, self.dist, self.stages.rollout, self.sample_gen, self.autocast,
                                    self.whole_model, log.warn)
         self.updater = Updater(cfg, policy, task, self.dist, self.stages, self.autocast, self.shuffle_gen,
-                               self.sample_gen)
+                               self.sample_gen, log.warn)
         self.step, self.sft_done = 0, cfg.sft.steps == 0
+        # The step of the checkpoint on disk that holds exactly this state (written or resumed), or None.
+        self.checkpointed: tuple[int, Path] | None = None
+        self.already_finished = False  # set by `train` when the folder's run had finished before it
         self.sft_progress: dict[str, Any] | None = None  # the SFT loop's own state while it runs
         self.stop = StopRequest()
         self.eval_history: list[dict[str, Any]] = []
@@ -109,6 +114,7 @@ class Trainer:
             "sft_progress": self.sft_progress, "scheduler": self.updater.scheduler.state_dict(),
             "rng": rng_state(self.streams()), "task": self.task.state_dict(), "eval_history": self.eval_history,
             "stages": self.stages.state_dict(), "rewards": collected["rewards"],
+            "log_rows": self.log.rows,  # metrics.jsonl's rows up to this state: a resume keeps exactly these
         }
         if with_optimizer:
             state["optimizer"] = self.optimizer.state_dict()
@@ -116,9 +122,50 @@ class Trainer:
 
     def save(self) -> Path:
         if self.dist.active:
-            return save_sharded_checkpoint(self.out_dir, self.step, self.policy.model, self.optimizer,
+            path = save_sharded_checkpoint(self.out_dir, self.step, self.policy.model, self.optimizer,
                                            self.state_dict(with_optimizer=False), self.dist)
-        return save_checkpoint(self.out_dir, self.step, self.policy.model, self.state_dict())
+        else:
+            path = save_checkpoint(self.out_dir, self.step, self.policy.model, self.state_dict())
+        self.checkpointed = (self.step, path)
+        return path
+
+    def export_final(self) -> None:
+        """The weights as `final/` (the policy's `save`, which `from_pretrained` loads), written to a
+        temporary folder and renamed into place: a kill leaves the previous final/ or the new one."""
+        with distributed.consolidated(self.dist, self.policy.model):  # the export one process would write
+            if self.dist.is_main:
+                tmp = self.out_dir / ".tmp_final"
+                shutil.rmtree(tmp, ignore_errors=True)
+                try:
+                    self.policy.save(tmp)
+                    replace_dir(tmp, self.out_dir / "final")
+                except WRITE_FAILURES as exc:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise write_failure(exc, "the final weights (final/)", self.out_dir,
+                                        tensor_bytes(self.policy.model.state_dict())) from None
+        distributed.barrier(self.dist)
+
+    def remove_leftovers(self) -> None:
+        """Delete what a killed run left in this run's folder (temporary files and folders), saying so."""
+        removed = remove_leftovers(self.out_dir)
+        if removed:
+            total = sum(size for _, size in removed)
+            say(f"removed what an interrupted write left in {self.out_dir} ({size_text(total)}): "
+                + ", ".join(f"{name} ({size_text(size)})" for name, size in removed))
+
+    def finished_before(self) -> dict[str, Any] | None:
+        """The results of this folder's run when the resumed checkpoint is that of a finished run (its
+        last step, with the final evaluation) and everything after it is on disk; else None."""
+        results = self.out_dir / "results.json"
+        if not (self.sft_done and self.step >= self.cfg.train.steps and self.eval_history
+                and self.eval_history[-1]["step"] == self.step and results.is_file()
+                and (self.out_dir / "final").is_dir()):
+            return None
+        try:
+            saved = json.loads(results.read_text())
+        except (OSError, ValueError):
+            return None  # written again below
+        return saved if saved.get("eval_after", {}).get("step") == self.step else None
 
     def resume(self, path: str | Path | None = None) -> Path | None:
         """Load the checkpoint at `path` (default: the newest whole one of this run); returns its path.
@@ -142,7 +189,11 @@ class Trainer:
         self.eval_history = state["eval_history"]
         self.stages.load_state_dict(state.get("stages") or legacy_stage_state(state))
         self.collector.load_state_dict(state)
-        self.log.truncate_after(self.step)
+        if state.get("log_rows") is not None:
+            self.log.truncate_to(state["log_rows"])
+        else:  # a checkpoint written before the row count: the rows up to its step
+            self.log.truncate_after(self.step)
+        self.checkpointed = (self.step, Path(path))
         return Path(path)
 
     def step_start(self) -> dict[str, Any]:
@@ -214,7 +265,7 @@ class Trainer:
     def update(self, rollout: Rollout) -> dict[str, float]:
         """One RL update on `rollout` (advantages, then mmrl.update)."""
         adv, rewards = self.advantages(rollout)
-        return self.updater.update(rollout, adv, rewards, self.collector.filler)
+        return self.updater.update(rollout, adv, rewards, self.collector.filler, step=self.step)
 
     def train_step(self) -> dict[str, float]:
         rollout, stats = self.collect()
@@ -245,8 +296,8 @@ class Trainer:
         self.updater.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
         self.updater.auxiliary_backward(sums, first_step_only=True)
+        self.updater.optimizer_step(sums, self.step)  # adds grad_norm and skipped_nonfinite
         stats.update({f"train/{k}": v for k, v in sums.items()})
-        stats["train/grad_norm"] = self.updater.optimizer_step()
         return stats
 
     # ------------------------------------------------------------------ evaluation
@@ -280,8 +331,16 @@ class Trainer:
             check_same_run(self.cfg)
         elif self.dist.is_main and discard_run(self.out_dir):
             say(f"starting afresh (no resume): discarded the previous run in {self.out_dir}")
+        if self.dist.is_main:
+            self.remove_leftovers()
         distributed.barrier(self.dist)  # no rank looks for a checkpoint while rank 0 discards
         resumed_from = self.resume() if resume else None
+        done = self.finished_before() if resumed_from is not None else None
+        if done is not None:  # the command of a finished run: nothing changes on disk
+            self.already_finished = True
+            say(f"the run in {self.out_dir} is finished (step {self.step} of {t.steps}); nothing to train. "
+                f"Evaluate again with `mmrl eval --checkpoint {self.out_dir}`, or train on with a larger train.steps")
+            return done
         if self.dist.is_main:
             write_run_config(self.cfg)
         if resumed_from is not None:
@@ -296,6 +355,9 @@ class Trainer:
                 return self._train_loop()
             except RewardFailure as fault:  # e.g. a judge that is down: stop with a checkpoint, not train on zeros
                 raise TrainingFailed(str(fault), f"at step {self.step} of {t.steps}", self.save()) from None
+            except Diverged as fault:  # no checkpoint of diverged weights: name the newest one from before
+                newest = find_latest(self.out_dir)
+                raise TrainingDiverged(str(fault), f"at step {self.step} of {t.steps}", newest) from None
 
     def announce(self) -> None:
         """Say, when a run starts, what it learns from: the data, and whether SFT or RL comes first
@@ -358,11 +420,9 @@ class Trainer:
         it drives env workers), so a crash there loses no training and the same command then only
         evaluates. results.json comes last, when everything it names is on disk."""
         t = self.cfg.train
-        ckpt = self.save()
-        with distributed.consolidated(self.dist, self.policy.model):  # the export one process would write
-            if self.dist.is_main:
-                self.policy.save(self.out_dir / "final")
-        distributed.barrier(self.dist)
+        # Resumed from this step's first save (a kill came after it): that checkpoint is this state.
+        ckpt = self.checkpointed[1] if self.checkpointed and self.checkpointed[0] == self.step else self.save()
+        self.export_final()
         if not self.eval_history or self.eval_history[-1]["step"] != self.step:
             self.eval_history.append(self.evaluate())
             if t.eval_every:

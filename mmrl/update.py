@@ -18,7 +18,8 @@ import torch
 
 from mmrl import algos, distributed
 from mmrl.distributed import Dist
-from mmrl.rollout import Rollout, token_budget_batches
+from mmrl.logger import say
+from mmrl.rollout import Diverged, Rollout, token_budget_batches
 from mmrl.run_config import RunConfig
 from mmrl.stages import AdvantageInputs, LossTerm, Stages, TermInputs
 
@@ -49,9 +50,11 @@ class Updater:
     """Holds the optimizer and what the loss reads from the config; `update` runs one RL update."""
 
     def __init__(self, cfg: RunConfig, policy, task, dist: Dist, stages: Stages, autocast,
-                 shuffle_gen: torch.Generator, sample_gen: torch.Generator):
+                 shuffle_gen: torch.Generator, sample_gen: torch.Generator, warn: Callable[..., None] | None = None):
         self.cfg, self.policy, self.task, self.dist, self.stages = cfg, policy, task, dist, stages
         self.autocast, self.shuffle_gen, self.sample_gen = autocast, shuffle_gen, sample_gen
+        self.warn = warn or (lambda message, kind=None: say(f"warning: {message}"))  # MetricsLogger.warn's signature
+        self.nonfinite_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient norm
         self.device = policy.device
         self.loss_spec = algos.get_loss_spec(cfg.algo.loss)
         self.loss_params = dict(cfg.algo.loss_params)
@@ -279,9 +282,10 @@ class Updater:
 
     # ------------------------------------------------------------------ the update
 
-    def update(self, rollout: Rollout, adv: torch.Tensor, rewards: torch.Tensor, filler: Rollout | None = None
-               ) -> dict[str, float]:
-        """One RL update on `rollout` with advantages `adv` (of the shaped `rewards`); its metrics."""
+    def update(self, rollout: Rollout, adv: torch.Tensor, rewards: torch.Tensor, filler: Rollout | None = None,
+               step: int = 0) -> dict[str, float]:
+        """One RL update at training step `step` on `rollout` with advantages `adv` (of the shaped
+        `rewards`); its metrics."""
         t = self.cfg.train
         n_real = len(rollout)
         if self.dist.fsdp:  # FSDP's collectives need the same number of forwards on every rank
@@ -298,7 +302,7 @@ class Updater:
             for mb in order.to(self.device).tensor_split(t.mini_batches):
                 if len(mb) == 0 and not self.dist.active:  # with ranks, every rank steps the optimizer together
                     continue
-                self.optimizer_step_on(rollout, mb, n_real, x, sums, row_means, first=n_updates == 0)
+                self.optimizer_step_on(rollout, mb, n_real, x, sums, row_means, first=n_updates == 0, step=step)
                 n_updates += 1
         averaged = ("loss", "grad_norm", *self.term_names,
                     *(s.metric for s in self.stages.auxiliary_losses if not s.first_step_only))
@@ -318,7 +322,7 @@ class Updater:
         return out
 
     def optimizer_step_on(self, rollout: Rollout, mb: torch.Tensor, n_real: int, x: dict[str, Any],
-                          sums: dict[str, float], row_means: set[str], first: bool) -> None:
+                          sums: dict[str, float], row_means: set[str], first: bool, step: int = 0) -> None:
         """One optimizer step on the rows `mb` of `rollout` (the first `n_real` are not padding),
         adding its metrics to `sums`."""
         t, mask = self.cfg.train, x["mask"]
@@ -331,6 +335,7 @@ class Updater:
         self.optimizer.zero_grad(set_to_none=True)
         if first:
             self.auxiliary_backward(sums, first_step_only=True)
+        step_loss = 0.0
         for micro in self.micro_batches(mb, x["sizes"]):
             part = self.micro_part(rollout, micro)
             T = part.units.shape[1]  # trimmed under train.max_tokens_per_micro
@@ -343,10 +348,11 @@ class Updater:
                                                 rows(x["adv"]), None if x["ref"] is None else x["ref"][micro, :T],
                                                 denom, rows(x["correction"]))
             sums["loss"] += loss
+            step_loss += loss
             share = int((micro < n_real).sum()) / (max(1, n_real) * t.ppo_epochs)  # padding rows weigh nothing
             add_micro_metrics(sums, row_means, metrics, self.term_names, share)
         self.auxiliary_backward(sums, first_step_only=False)
-        sums["grad_norm"] += self.optimizer_step()
+        self.optimizer_step(sums, step, step_loss)
 
     def auxiliary_backward(self, sums: dict[str, float], first_step_only: bool) -> None:
         """Backward of the auxiliary losses (mmrl.stages) of one kind, their values added to `sums`."""
@@ -358,13 +364,38 @@ class Updater:
                     out[0].backward()
                     sums[stage.metric] += out[1]
 
-    def optimizer_step(self) -> float:
-        """Average the gradient over ranks, clip it, step the optimizer and the schedule; the pre-clip norm."""
+    def optimizer_step(self, sums: dict[str, float], step: int, loss: float = 0.0) -> None:
+        """Average the gradient over ranks, clip it, step the optimizer and the schedule, adding the
+        pre-clip norm to `sums["grad_norm"]`. A step whose norm or `loss` (this optimizer step's
+        policy loss) is not finite is skipped instead (`skip_nonfinite`); `sums["skipped_nonfinite"]`
+        counts it."""
         distributed.average_gradients(self.dist, self.params)
-        grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip)
+        grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip).item()
+        sums["grad_norm"] += grad_norm
+        finite = math.isfinite(grad_norm) and math.isfinite(loss)
+        if self.dist.active:  # the norm is every rank's (of the averaged gradient; FSDP's clip takes the
+            # global one) but the loss is this rank's: every rank skips if any saw a non-finite one
+            finite = not distributed.all_max(self.dist, int(not finite))
+        sums["skipped_nonfinite"] += 0.0 if finite else 1.0
+        if not finite:
+            self.skip_nonfinite(step, grad_norm, loss)
+            return
+        self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.scheduler.step()
-        return grad_norm.item()
+
+    def skip_nonfinite(self, step: int, grad_norm: float, loss: float) -> None:
+        """Drop a step whose loss or gradient norm is not finite (weights, optimizer state and schedule
+        stay as they were) and say so; `train.max_nonfinite_steps` of them in a row end the run."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.train.max_nonfinite_steps
+        values = f"loss {loss:g}, gradient norm {grad_norm:g}"
+        if limit and self.nonfinite_in_a_row >= limit:
+            raise Diverged(f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                           f"norm (the last: {values}; train.max_nonfinite_steps: {limit})")
+        self.warn(f"step {step}: non-finite {values}; the optimizer step was skipped",
+                  kind="non-finite loss or gradient norm (optimizer step skipped)")
 
 
 def add_micro_metrics(sums: dict[str, float], row_means: set[str], metrics: dict[str, float],

@@ -151,7 +151,7 @@ def test_a_judge_going_down_mid_run_saves_the_step_start_and_resumes_exactly(tmp
     broken.evaluate = evaluate_then_go_down
     with pytest.raises(TrainingFailed, match=r"connection error.*stopped at step 1 of 2; checkpoint saved to") as fault:
         broken.train(resume=False)
-    state = torch.load(Path(fault.value.checkpoint) / "trainer_state.pt", weights_only=False)
+    state = torch.load(Path(fault.value.checkpoint) / "trainer_state.pt", weights_only=True)
     assert state["step"] == 1 and state["task"] == {"cursor": 2} and state["rewards"] == [{"draws": 1}]
     with JudgeServer(port=port):  # the judge is back, where the config says it is
         resumed = trainer_for(tmp_path / "broken", port)

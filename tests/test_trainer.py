@@ -251,29 +251,6 @@ def test_reused_sampler_logprobs_give_ratio_one(tmp_path):
     assert abs(m["train/ratio_mean"] - 1) < 1e-5 and m["train/clip_frac"] == 0
 
 
-def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    from mmrl import checkpoint as ck
-
-    trainer = build(make_cfg(tmp_path))
-    trainer.train_step()
-    trainer.step = 1
-    first = trainer.save()
-    trainer.train_step()
-    trainer.step = 2
-
-    def broken(*a, **k):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(ck.torch, "save", broken)
-    with pytest.raises(OSError):
-        trainer.save()
-    monkeypatch.undo()
-    assert ck.find_latest(trainer.out_dir) == first
-    assert not [p for p in (trainer.out_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]
-    fresh = build(make_cfg(tmp_path))
-    assert fresh.resume() and fresh.step == 1
-
-
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     from mmrl.checkpoint import CheckpointError, load_checkpoint
 

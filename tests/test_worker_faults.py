@@ -134,7 +134,7 @@ def test_a_worker_killed_mid_rl_costs_no_run(tmp_path):
     ckpt = Path(results["checkpoint"])
     assert ckpt.parent == run / "checkpoints" and ckpt.name == "step_000003"
     # The checkpoint holds the final evaluation too, so a longer train.steps extends this run.
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert [e["step"] for e in state["eval_history"]] == [e["step"] for e in results["eval_history"]] == [0, 3]
     assert load_file(str(run / "final" / "model.safetensors")) and (run / "final" / "config.json").is_file()
 
@@ -162,7 +162,7 @@ def test_a_crash_in_the_final_evaluation_loses_no_training(tmp_path, monkeypatch
     results = resumed.train()
     assert resumed.step == 2 and [e["step"] for e in results["eval_history"]] == [0, 2]
     assert all(torch.equal(v, weights(trainer)[k]) for k, v in weights(resumed).items())
-    state = torch.load(find_latest(run) / "trainer_state.pt", weights_only=False)
+    state = torch.load(find_latest(run) / "trainer_state.pt", weights_only=True)
     assert [e["step"] for e in state["eval_history"]] == [0, 2]
     assert json.loads((run / "results.json").read_text())["checkpoint"] == str(find_latest(run))
     # A longer train.steps extends the finished run from there.

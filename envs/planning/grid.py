@@ -30,6 +30,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from mmrl.checkpoint import checkpointable
+
 TASKS: tuple[str, ...] = ("frozenlake", "maze", "minibehavior")
 _TASK_ALIASES = {
     "frozenlake": "frozenlake",
@@ -98,6 +100,7 @@ def _cell(value: Any, name: str) -> tuple[int, int]:
     return (r, c)
 
 
+@checkpointable  # contexts carry it, and a prompt replay buffer keeps contexts in checkpoints
 @dataclass(frozen=True, eq=False)
 class Layout:
     """One planning instance: the static map plus the start (and MiniBehavior's objects).

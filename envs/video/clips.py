@@ -32,6 +32,8 @@ from itertools import product
 
 import numpy as np
 
+from mmrl.checkpoint import checkpointable
+
 REFERENCE_SIZE = 16  # px; SPEEDS and SHAPE_FRACTION are given for this frame size
 BACKGROUND: tuple[int, int, int] = (40, 40, 40)
 PALETTE: dict[str, tuple[int, int, int]] = {
@@ -58,6 +60,7 @@ def _check_word(kind: str, word: str, accepted) -> None:
         raise ValueError(f"unknown {kind} {word!r}; accepted: {', '.join(accepted)}")
 
 
+@checkpointable  # contexts carry it, and a prompt replay buffer keeps contexts in checkpoints
 @dataclass(frozen=True)
 class ClipSpec:
     """What a clip shows; ``prompt`` is its text and ``from_prompt`` parses it back."""

@@ -307,7 +307,19 @@ class TextPolicyBase(PolicyBase):
 
     def save(self, directory: str | Path) -> None:
         self.model.save_pretrained(directory)
+        without_call_state(self.processor)
         self.processor.save_pretrained(directory)
+
+
+def without_call_state(tokenizer) -> None:
+    """Clear the padding and truncation that a fast tokenizer's backend keeps from its last call
+    (`padding=True` sets them; each call sets what it needs again), so that `save_pretrained` writes
+    the tokenizer as loaded: a run's export is then byte for byte the same whether or not it sampled
+    before saving, as a resumed run has not. Takes a tokenizer or a processor that holds one."""
+    backend = getattr(getattr(tokenizer, "tokenizer", tokenizer), "backend_tokenizer", None)
+    if backend is not None:  # a slow tokenizer keeps no such state
+        backend.no_padding()
+        backend.no_truncation()
 
 
 def repeat_rows(batch, group_size: int):

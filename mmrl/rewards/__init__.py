@@ -24,6 +24,38 @@ class RewardFailure(RuntimeError):
     would teach nothing, so the trainer stops the step with a checkpoint and says why."""
 
 
+class NonFiniteReward(RewardFailure):
+    """A reward returned NaN / inf: a bug in the reward (not a flaky judge), so the run stops at once."""
+
+
+def check_finite_reward(name: str, scores: torch.Tensor, contexts: list[Any], outputs: list[Any]) -> None:
+    """Raise `NonFiniteReward` naming reward `name`, its bad value and one sample it scored so, when
+    any of `scores` [N] (of `outputs` for `contexts`) is NaN / inf."""
+    bad = ~torch.isfinite(scores)
+    if not bad.any():
+        return
+    rows = bad.nonzero().flatten().tolist()
+    i = rows[0]
+    raise NonFiniteReward(f"reward {name!r} returned {scores[i].item()} for {len(rows)} of {len(scores)} samples, "
+                          f"e.g. for {describe_sample(contexts[i], outputs[i])}: a reward must return finite "
+                          f"numbers; fix it, then the same command resumes this step")
+
+
+def describe_sample(context: Any, output: Any, width: int = 60) -> str:
+    """One sample in a few words for an error line: a text completion and the context's prompt or
+    instruction, each cut to `width` characters; another output by its type and shape."""
+    def clip(text: str) -> str:
+        return repr(text if len(text) <= width else text[:width] + "...")
+
+    if isinstance(output, str):
+        what = f"the completion {clip(output)}"
+    else:
+        shape = getattr(output, "shape", None)
+        what = f"an output of type {type(output).__name__}" + (f" {tuple(shape)}" if shape is not None else "")
+    prompt = context.get("prompt", context.get("instruction")) if isinstance(context, dict) else None
+    return what + (f" of prompt {clip(prompt)}" if isinstance(prompt, str) else "")
+
+
 class Reward:
     """A reward adapter with state the trainer checkpoints and metrics it logs."""
 

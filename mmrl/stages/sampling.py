@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from mmrl import algos
+from mmrl.checkpoint import from_plain, to_plain
 from mmrl.rollout import Rollout
 from mmrl.stages.base import RolloutStage, group_contexts, register_stage
 
@@ -93,8 +94,10 @@ class PromptReplay(RolloutStage):
         stats["replay/size"] = len(self.buffer)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"buffer": list(self.buffer)}
+        # Contexts hold numpy images and a domain's dataclasses: kept as tensors and plain values,
+        # which a checkpoint loads without running code from the file.
+        return {"buffer": [to_plain(c) for c in self.buffer]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.clear()
-        self.buffer.extend(state["buffer"])
+        self.buffer.extend(from_plain(c) for c in state["buffer"])

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from mmrl.flow import flow_timesteps, gaussian_kl, gaussian_logprob, ode_step, sde_step
-from mmrl.policies.base import FlowPolicyBase, UnitSteps, eval_mode
+from mmrl.policies.base import FlowPolicyBase, UnitSteps, eval_mode, without_call_state
 from mmrl.policies.video.causal_wan import CausalWan, KVCache, build_tiny_wan
 from mmrl.policies.video.configuration import VIDEO_CONFIG_NAME, VideoGenConfig
 from mmrl.policies.vla.configuration import read_saved_config, resolve_config
@@ -187,6 +187,7 @@ class VideoGenPolicy(FlowPolicyBase):
         directory = Path(directory)
         self.model.save_pretrained(directory / TRANSFORMER_DIR)
         self.text_encoder.save_pretrained(directory / TEXT_ENCODER_DIR)
+        without_call_state(self.tokenizer)
         self.tokenizer.save_pretrained(directory / TOKENIZER_DIR)
         if self.vae is not None:
             self.vae.save_pretrained(directory / VAE_DIR)

@@ -300,7 +300,9 @@ class ActionTokenVLAPolicy(QwenVLPolicy):
                 logp_all = z.log_softmax(-1)
             else:
                 logp_all = (z / temperature).log_softmax(-1) if temperature != 1.0 else z.log_softmax(-1)
-                drawn = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)
+                # NaN logits (diverged weights) would stop multinomial with an error that names nothing
+                # (a device assert on CUDA): the draw stays valid, its NaN log-prob is what the collector checks.
+                drawn = torch.multinomial(logp_all.exp().nan_to_num(1.0), 1, generator=generator).squeeze(-1)
             tokens.append(drawn + lo)
             logps.append(logp_all.gather(-1, drawn[:, None]).squeeze(-1))
             if j < L - 1:
