@@ -243,8 +243,8 @@ def write_failure(exc: BaseException, what: str, where: Path, need: int) -> Chec
     bytes free there, and what the run folder still holds."""
     probe = where if where.exists() else where.parent
     free = shutil.disk_usage(probe).free if probe.exists() else 0
-    run_root = where if where.name == "checkpoints" else where.parent / "checkpoints"
-    newest = newest_step_dir(run_root)
+    ckpt_root = where if where.name == "checkpoints" else where / "checkpoints"  # a checkpoint's or a run folder
+    newest = newest_step_dir(ckpt_root)
     kept = f"the newest checkpoint is still {newest.name}" if newest else "no checkpoint was written yet"
     return CheckpointWriteError(f"could not write {what} in {where}: {_first_line(exc)}. It needs about "
                                 f"{size_text(need)}; {size_text(free)} are free there. Nothing of it is kept, "

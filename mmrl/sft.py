@@ -14,7 +14,7 @@ from mmrl import distributed
 from mmrl.distributed import RANK_SEED_STRIDE, Dist
 from mmrl.logger import progress
 from mmrl.run_config import RunConfig
-from mmrl.update import clip_grad_norm, make_adamw, warmup_cosine
+from mmrl.update import NonFiniteSteps, clip_grad_norm, make_adamw, warmup_cosine
 
 
 class WarmStart:
@@ -30,6 +30,7 @@ class WarmStart:
         floor = cfg.train.min_lr_ratio if s.lr_schedule == "cosine" else 1.0  # a floor of 1: constant after warmup
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(s.warmup_steps, s.steps, floor))
         self.start, self.cpu_used = 0, 0.0
+        self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps, dist, log.warn)
         if state is not None:
             self.start, self.cpu_used = state["step"], state["cpu_s"]
             self.opt.load_state_dict(state["optimizer"])
@@ -49,23 +50,32 @@ class WarmStart:
             if stop_requested():
                 return {"step": i, "cpu_s": time.process_time() - cpu_start, "rng": self.rng.bit_generator.state,
                         "optimizer": self.opt.state_dict(), "schedule": self.schedule.state_dict()}
-            loss = self.step()
+            loss, applied = self.step(i)
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss:.3f}")
-            self.log.log({"sft/loss": loss, "sft/lr": self.schedule.get_last_lr()[0]}, step=i, prefix_step="sft_step")
-            self.schedule.step()
+            self.log.log({"sft/loss": loss, "sft/lr": self.schedule.get_last_lr()[0],
+                          "sft/skipped_nonfinite": float(not applied)}, step=i, prefix_step="sft_step")
+            if applied:
+                self.schedule.step()
             done = i + 1
         # how much SFT ran: with sft.max_cpu_s, possibly fewer than sft.steps
         self.log.log({"sft/steps_done": done, "sft/cpu_s": time.process_time() - cpu_start}, step=done,
                      prefix_step="sft_step")
         return None
 
-    def step(self) -> float:
+    def step(self, i: int) -> tuple[float, bool]:
+        """SFT step `i`: its loss, and whether it was applied (not when its loss or gradient norm is
+        not finite: `NonFiniteSteps`)."""
         with self.autocast:
             loss = self.policy.sft_loss(self.task.sft_batch(self.cfg.sft.batch_size, self.rng))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         distributed.average_gradients(self.dist, self.params)
-        clip_grad_norm(self.params, self.cfg.train.grad_clip)
-        self.opt.step()
-        return loss.item()
+        grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip).item()
+        loss_value = loss.item()
+        applied = self.nonfinite.applies(grad_norm, loss_value, f"SFT step {i}")
+        if applied:
+            self.opt.step()
+        else:
+            self.opt.zero_grad(set_to_none=True)
+        return loss_value, applied

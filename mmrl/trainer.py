@@ -356,7 +356,7 @@ class Trainer:
             except RewardFailure as fault:  # e.g. a judge that is down: stop with a checkpoint, not train on zeros
                 raise TrainingFailed(str(fault), f"at step {self.step} of {t.steps}", self.save()) from None
             except Diverged as fault:  # no checkpoint of diverged weights: name the newest one from before
-                newest = find_latest(self.out_dir)
+                newest = self.checkpointed[1] if self.checkpointed else None  # written or resumed: whole, no rehash
                 raise TrainingDiverged(str(fault), f"at step {self.step} of {t.steps}", newest) from None
 
     def announce(self) -> None:

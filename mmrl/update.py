@@ -54,7 +54,7 @@ class Updater:
         self.cfg, self.policy, self.task, self.dist, self.stages = cfg, policy, task, dist, stages
         self.autocast, self.shuffle_gen, self.sample_gen = autocast, shuffle_gen, sample_gen
         self.warn = warn or (lambda message, kind=None: say(f"warning: {message}"))  # MetricsLogger.warn's signature
-        self.nonfinite_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient norm
+        self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps, dist, self.warn)
         self.device = policy.device
         self.loss_spec = algos.get_loss_spec(cfg.algo.loss)
         self.loss_params = dict(cfg.algo.loss_params)
@@ -367,35 +367,47 @@ class Updater:
     def optimizer_step(self, sums: dict[str, float], step: int, loss: float = 0.0) -> None:
         """Average the gradient over ranks, clip it, step the optimizer and the schedule, adding the
         pre-clip norm to `sums["grad_norm"]`. A step whose norm or `loss` (this optimizer step's
-        policy loss) is not finite is skipped instead (`skip_nonfinite`); `sums["skipped_nonfinite"]`
+        policy loss) is not finite is skipped instead (`NonFiniteSteps`); `sums["skipped_nonfinite"]`
         counts it."""
         distributed.average_gradients(self.dist, self.params)
         grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip).item()
         sums["grad_norm"] += grad_norm
-        finite = math.isfinite(grad_norm) and math.isfinite(loss)
-        if self.dist.active:  # the norm is every rank's (of the averaged gradient; FSDP's clip takes the
-            # global one) but the loss is this rank's: every rank skips if any saw a non-finite one
-            finite = not distributed.all_max(self.dist, int(not finite))
-        sums["skipped_nonfinite"] += 0.0 if finite else 1.0
-        if not finite:
-            self.skip_nonfinite(step, grad_norm, loss)
+        applied = self.nonfinite.applies(grad_norm, loss, f"step {step}")
+        sums["skipped_nonfinite"] += 0.0 if applied else 1.0
+        if not applied:
+            self.optimizer.zero_grad(set_to_none=True)
             return
-        self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.scheduler.step()
 
-    def skip_nonfinite(self, step: int, grad_norm: float, loss: float) -> None:
-        """Drop a step whose loss or gradient norm is not finite (weights, optimizer state and schedule
-        stay as they were) and say so; `train.max_nonfinite_steps` of them in a row end the run."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_in_a_row += 1
-        limit = self.cfg.train.max_nonfinite_steps
+
+class NonFiniteSteps:
+    """Whether an optimizer step applies: not when its loss or gradient norm (the one the clipping
+    computes) is NaN / inf, a step that would write NaN into the weights; then it is skipped (the
+    caller steps neither optimizer nor schedule) and named in a warning, and `limit` of them in a
+    row (train.max_nonfinite_steps; 0: never) end the run with `Diverged`. Under torchrun every rank
+    takes the same decision: the norm is of the averaged gradient (FSDP's clip takes the global one),
+    the loss is each rank's own, so one small all-reduce per step."""
+
+    def __init__(self, limit: int, dist: Dist, warn: Callable[..., None]):
+        self.limit, self.dist, self.warn = limit, dist, warn
+        self.in_a_row = 0
+
+    def applies(self, grad_norm: float, loss: float, where: str) -> bool:
+        finite = math.isfinite(grad_norm) and math.isfinite(loss)
+        if self.dist.active:
+            finite = not distributed.all_max(self.dist, int(not finite))
+        if finite:
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
         values = f"loss {loss:g}, gradient norm {grad_norm:g}"
-        if limit and self.nonfinite_in_a_row >= limit:
-            raise Diverged(f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
-                           f"norm (the last: {values}; train.max_nonfinite_steps: {limit})")
-        self.warn(f"step {step}: non-finite {values}; the optimizer step was skipped",
+        if self.limit and self.in_a_row >= self.limit:
+            raise Diverged(f"{self.in_a_row} optimizer steps in a row had a non-finite loss or gradient norm (the "
+                           f"last: {values}; train.max_nonfinite_steps: {self.limit})")
+        self.warn(f"{where}: non-finite {values}; the optimizer step was skipped",
                   kind="non-finite loss or gradient norm (optimizer step skipped)")
+        return False
 
 
 def add_micro_metrics(sums: dict[str, float], row_means: set[str], metrics: dict[str, float],

@@ -137,7 +137,7 @@ def test_the_run_stops_after_max_nonfinite_steps_in_a_row(tmp_path):
     nan_gradient(trainer)
     up.optimizer_step(sums, step=0)
     trainer.train_step()  # a finite step in between: the count starts again
-    assert up.nonfinite_in_a_row == 0
+    assert up.nonfinite.in_a_row == 0
     nan_gradient(trainer)
     up.optimizer_step(sums, step=1)
     nan_gradient(trainer)
@@ -148,7 +148,21 @@ def test_the_run_stops_after_max_nonfinite_steps_in_a_row(tmp_path):
         for p in never.params:
             p.grad = torch.full_like(p, float("inf"))
         never.optimizer_step(sums, step)
-    assert never.nonfinite_in_a_row == 5 and never.scheduler.last_epoch == 0
+    assert never.nonfinite.in_a_row == 5 and never.scheduler.last_epoch == 0
+
+
+def test_sft_skips_non_finite_steps_and_stops_after_max_in_a_row(tmp_path, capsys):
+    """The SFT warm start's steps are guarded as RL's: a NaN weight makes every SFT loss NaN, no SFT
+    step is applied (one would write NaN into every weight) and the run stops in one line."""
+    trainer = build(make_cfg(tmp_path, sft={"steps": 5, "batch_size": 4}))
+    with torch.no_grad():
+        next(trainer.policy.model.parameters())[0, 0] = float("nan")
+    with pytest.raises(TrainingDiverged, match=r"^3 optimizer steps in a row .*stopped at step 0 of 2"):
+        trainer.train()
+    assert "SFT step 0: non-finite loss nan" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sft/skipped_nonfinite"] for r in rows if "sft/loss" in r] == [1.0, 1.0]
+    assert all(torch.isfinite(p).all() for name, p in trainer.policy.model.named_parameters() if "embed" not in name)
 
 
 def test_max_nonfinite_steps_is_checked(tmp_path):

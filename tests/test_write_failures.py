@@ -104,3 +104,18 @@ def test_non_finite_weights_are_never_saved_as_a_checkpoint(tmp_path):
         trainer.save()
     assert sorted(p.name for p in (trainer.out_dir / "checkpoints").iterdir()) == ["latest", "step_000001"]
     assert find_latest(trainer.out_dir) == first
+
+
+def test_a_failed_final_export_is_one_line_and_leaves_no_half_folder(tmp_path):
+    trainer = build(make_cfg(tmp_path))
+    trainer.step = 1
+    first = trainer.save()
+    with file_size_limit((first / "model.safetensors").stat().st_size // 2), \
+            pytest.raises(CheckpointWriteError) as failure:
+        trainer.export_final()
+    message = str(failure.value)
+    assert message.startswith(f"could not write the final weights (final/) in {trainer.out_dir}: ")
+    assert "the newest checkpoint is still step_000001" in message and "\n" not in message
+    assert not (trainer.out_dir / "final").exists() and not (trainer.out_dir / ".tmp_final").exists()
+    trainer.export_final()  # room again
+    assert (trainer.out_dir / "final" / "model.safetensors").is_file()
