@@ -169,6 +169,9 @@ def cmd_caption_eval(argv: list[str]) -> int:
     return caption_eval_main(argv)
 
 
+TRUST_HELP = ("load checkpoint state with pickle, which runs any code the file holds: only for a run folder you wrote "
+              "yourself with an older mmrl (its trainer_state.pt holds numpy state); without it such a file is refused")
+
 # Commands that parse their own arguments (`mmrl caption-filter -h`).
 PASSTHROUGH = {"caption-filter": cmd_caption_filter, "caption-eval": cmd_caption_eval}
 
@@ -185,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-resume", action="store_true", help="start fresh even if the output dir has a checkpoint")
     p.add_argument("--nproc", type=int, default=1, help="train with N processes on this machine (torchrun; "
                    "one per GPU, or CPU ranks with gloo)")
-    p.add_argument("--trust-checkpoint", action="store_true", help="load checkpoint state with pickle, which runs any "
-                   "code the file holds: only for a run folder you wrote yourself with an older mmrl (its "
-                   "trainer_state.pt holds numpy state); without it such a file is refused")
+    p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="evaluate a checkpoint on the task's held-out set, with its run's own config")
     p.add_argument("config", nargs="?", help="optional: the run's own config.yaml is used; a CONFIG given must "
@@ -204,9 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="--benchmark: a Hugging Face model folder or hub id, a run's final/ export, or a "
                    "run folder / step_NNNNNN checkpoint")
     p.add_argument("--seed", type=int, default=0, help="--benchmark: the sampling / environment seed (default 0)")
-    p.add_argument("--trust-checkpoint", action="store_true", help="load checkpoint state with pickle, which runs any "
-                   "code the file holds: only for a run folder you wrote yourself with an older mmrl (its "
-                   "trainer_state.pt holds numpy state); without it such a file is refused")
+    p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     vqa_benchmark.add_arguments(p)
     libero_benchmark.add_arguments(p)
     p.set_defaults(fn=cmd_eval)
@@ -271,12 +270,13 @@ def write_error_line(exc: OSError) -> str:
     """One line for a write that failed for space or I/O: the file, the reason and the space free there."""
     import shutil
 
+    from mmrl.checkpoint import size_text
+
     where = Path(exc.filename or ".").resolve()
     while not where.exists() and where != where.parent:
         where = where.parent
-    free = shutil.disk_usage(where).free
-    return (f"could not write {exc.filename or 'a file'}: {exc.strerror}; {free / 1e9:.1f} GB are free there. "
-            f"Checkpoints already saved are whole: free space and run the same command again")
+    return (f"could not write {exc.filename or 'a file'}: {exc.strerror}; {size_text(shutil.disk_usage(where).free)} "
+            f"are free there. Checkpoints already saved are whole: free space and run the same command again")
 
 
 @contextlib.contextmanager
