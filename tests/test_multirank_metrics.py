@@ -7,6 +7,7 @@ The ranks are spawned once (torch.multiprocessing, a file:// rendezvous) and run
 rank 0 replays each on one process and writes both results for the tests to compare."""
 
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -194,7 +195,17 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
     if d.is_main:
         Path(out_dir, "results.json").write_text(json.dumps(results))
     dist.barrier()
-    dist.destroy_process_group()
+    exit_without_teardown()
+
+
+def exit_without_teardown() -> None:
+    """End a test rank once its results are written and every rank has them: gloo's teardown
+    (destroy_process_group, or the destructors at exit) aborted a rank now and then on this 2-core
+    machine ("terminate called without an active exception", in 2 of about 8 fresh-clone CI runs),
+    after a barrier too; os._exit skips it, and there is nothing left to clean."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
