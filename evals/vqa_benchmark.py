@@ -4,8 +4,8 @@
     mmrl eval --benchmark mathverse --model runs/vqa/final --data ~/data/MathVerse --judge http://127.0.0.1:8000/v1
     mmrl eval --compare a/mathvista.json b/mathvista.json
 
-The model is a Hugging Face VLM folder or hub id (Qwen2 / 2.5 / 3-VL), a run's `final/` export, or a
-run folder / `step_NNNNNN` checkpoint (rebuilt from the run's own config.yaml). Each benchmark is
+The model is a Hugging Face VLM folder or hub id (any AutoModelForImageTextToText: Qwen-VL, Gemma 3,
+SmolVLM, InternVL, ...), a run's `final/` export, or a run folder / `step_NNNNNN` checkpoint (rebuilt from the run's own config.yaml). Each benchmark is
 asked with its own prompt construction and graded by a rule grader that follows its official
 scorer (`mmrl.evals.bench_official`); `--judge URL` adds the papers' LLM answer extraction through
 an OpenAI-compatible endpoint, reported beside the rule score, never mixed with it.
@@ -69,7 +69,7 @@ def load_policy(model: str, device: str, dtype: str, max_new_tokens: int, engine
 
     from mmrl.checkpoint import RUN_CONFIG, load_weights, resolve_checkpoint, run_dir_of
     from mmrl.hub import resolve
-    from mmrl.policies.qwen_vl import QwenVLPolicy
+    from mmrl.policies.vlm import VLMPolicy
 
     local = Path(model).expanduser()
     if local.is_dir() and not (local / "config.json").is_file() and (run_dir_of(local) / RUN_CONFIG).is_file():
@@ -78,9 +78,9 @@ def load_policy(model: str, device: str, dtype: str, max_new_tokens: int, engine
 
         cfg = eval_config(local, None, [f"train.device={_device(device)}", f"sampling.max_new_tokens={max_new_tokens}",
                                         "rollout.engine=hf"])  # --engine decides, not the run's training setting
-        if cfg.model.policy != "qwen_vl":
+        if cfg.model.policy not in ("vlm", "qwen_vl"):
             raise ValueError(f"--model {model}: a run of policy {cfg.model.policy!r}; the VQA benchmarks "
-                             f"evaluate image question answering models (policy qwen_vl)")
+                             f"evaluate image question answering models (policy vlm or qwen_vl)")
         _, policy = build(cfg)
         ckpt = resolve_checkpoint(local)[1]
         load_weights(ckpt, policy.model)  # the weights only: the trainer state is not read
@@ -89,8 +89,9 @@ def load_policy(model: str, device: str, dtype: str, max_new_tokens: int, engine
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"--model {model}: neither a Hugging Face model folder (no config.json) nor a "
                                 f"run folder (no {RUN_CONFIG} beside checkpoints/)")
-    policy = QwenVLPolicy.from_pretrained(folder, device=_device(device), dtype=getattr(torch, dtype),
-                                          image_key="images", prompt_key="prompt", max_new_tokens=max_new_tokens)
+    # Any Hugging Face VLM; a Qwen-VL gets its fast paths (vlm_policy_class).
+    policy = VLMPolicy.from_pretrained(folder, device=_device(device), dtype=getattr(torch, dtype),
+                                       image_key="images", prompt_key="prompt", max_new_tokens=max_new_tokens)
     return _with_engine(policy, engine, dtype, seed), folder
 
 

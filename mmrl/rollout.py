@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mmrl.hf_compat import cache_kwargs, cache_of
 from mmrl.run_config import LOGPROB_CHUNK_LOGITS
 
 
@@ -166,11 +167,12 @@ def token_budget_batches(sizes: torch.Tensor, budget: int, max_rows: int = 0) ->
 
 
 def _move_list(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """Move per-sample tensors, keeping rows that shared one tensor sharing one copy."""
+    """Move per-sample tensors, keeping rows that shared one tensor sharing one copy (other values,
+    e.g. a VLM's prompt text and images, stay where they are)."""
     moved: dict[int, torch.Tensor] = {}
     for t in tensors:
         if id(t) not in moved:
-            moved[id(t)] = t.to(device)
+            moved[id(t)] = t.to(device) if isinstance(t, torch.Tensor) else t
     return [moved[id(t)] for t in tensors]
 
 
@@ -351,7 +353,7 @@ class HFStepper:
         pos = positions_from_mask(attention_mask)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **self.model_kwargs)
-        self.past, self.next_pos = out.past_key_values, pos[:, -1:] + 1
+        self.past, self.next_pos = cache_of(out), pos[:, -1:] + 1
         return out.logits[:, -1, :].float()
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -359,8 +361,8 @@ class HFStepper:
         # them from touching anything that is trained; they can stay attendable.
         self.attn = torch.cat([self.attn, self.attn.new_ones(self.attn.shape[0], 1)], dim=1)
         out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.next_pos,
-                         past_key_values=self.past, use_cache=True)
-        self.past, self.next_pos = out.past_key_values, self.next_pos + 1
+                         use_cache=True, **cache_kwargs(self.model, self.past))
+        self.past, self.next_pos = cache_of(out), self.next_pos + 1
         return out.logits[:, -1, :].float()
 
 

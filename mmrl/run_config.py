@@ -75,13 +75,15 @@ class RolloutConfig:
     correction_level: str = "auto"
     correction_cap: float = 2.0
     # What samples the text policies (causal_lm, qwen_vl): `hf`, their in-process sampler, or `vllm`,
-    # a colocated vLLM engine on the GPU (mmrl.policies.vllm_engine; pip install 'mmrl[vllm]').
+    # a colocated vLLM engine on the GPU or, with vLLM's CPU build, the CPU (mmrl.policies.vllm_engine).
     engine: str = "hf"
     # > 0: at most this many rows (whole groups, one at least) in one in-process sampler call; a
     # step's or an evaluation's contexts are sampled in several calls. 0: all in one call.
     batch_size: int = 0
-    vllm_memory: float = 0.3  # the engine's share of GPU memory (vLLM's gpu_memory_utilization)
-    vllm_sleep: bool = True  # release the engine's weights and KV cache while training
+    vllm_memory: float = 0.3  # the engine's share of GPU (on the CPU: host) memory (vLLM's gpu_memory_utilization)
+    # release the engine's weights and KV cache while training; null: on a GPU yes, on the CPU no
+    # (vLLM's CPU backend has no sleep mode)
+    vllm_sleep: bool | None = None
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # more vllm.LLM(...) arguments
 
 
@@ -317,7 +319,7 @@ def typed_config(data: dict) -> RunConfig:
 # functional fast paths over the raw weights).
 FSDP_POLICIES = ("causal_lm",)
 ROLLOUT_ENGINES = ("hf", "vllm")
-VLLM_POLICIES = ("causal_lm", "qwen_vl")
+VLLM_POLICIES = ("causal_lm", "vlm", "qwen_vl")
 
 # Keys a run may change when it resumes: its length and how it reports. Any other difference from
 # the config a run folder was started with is another run (resume refuses it).
@@ -536,7 +538,7 @@ def check_rollout(cfg: RunConfig, loss_spec) -> None:
                f"not model.policy {cfg.model.policy!r}; use rollout.engine: hf")
         check(t.recompute_old_logp, "rollout.engine: vllm needs train.recompute_old_logp: true (the engine's "
                                      "log-probs are the behaviour policy's, not the trainer's)")
-        check(0 < r.vllm_memory < 1, f"rollout.vllm_memory must be in (0, 1) (a share of the GPU), got {r.vllm_memory}")
+        check(0 < r.vllm_memory < 1, f"rollout.vllm_memory must be in (0, 1) (a share of the device's memory), got {r.vllm_memory}")
 
 
 def check_algorithm(cfg: RunConfig) -> None:
@@ -574,6 +576,10 @@ def check_algorithm(cfg: RunConfig) -> None:
 def check_model_path(cfg: RunConfig) -> None:
     check(cfg.model.source != "pretrained" or bool(cfg.model.path),
            "model.path: a local folder or a hub id (owner/name) is required when model.source is 'pretrained'")
+    # A path the user gives is used or refused, never ignored: `tiny` builds a model from model.tiny.
+    check(cfg.model.source != "tiny" or cfg.model.path is None,
+           f"model.path: {cfg.model.path!r} is given but model.source is 'tiny' (a random model built from "
+           f"model.tiny), which would ignore it; set model.source: pretrained to load it, or drop model.path")
     if cfg.model.source == "pretrained":  # a hub id is fetched when the model is built (mmrl.hub)
         from mmrl.hub import is_hub_id
 

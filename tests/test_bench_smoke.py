@@ -50,6 +50,7 @@ def test_grpo_vs_trl_bench_smoke():
     assert result["cpu_speedup"] == pytest.approx(result["trl_cpu_step_s"] / result["mmrl_cpu_step_s"], rel=0.01)
 
 
+@pytest.mark.robot  # its VLA part needs lerobot's stack
 def test_gpu_session_smoke(tmp_path):
     """bench/gpu_session.sh, the one prepared command for a GPU machine, runs its sequence of GPU
     benches at tiny sizes and gathers each one's JSON line into results.json; the planning bench's
@@ -151,6 +152,7 @@ def test_memory_bench_smoke():
     assert all(r["step_mib"] >= 0 and r["tokens"] > 0 for r in result["runs"])
 
 
+@pytest.mark.robot  # its VLA part needs lerobot's stack
 def test_real_shapes_bench_smoke():
     """bench/real_shapes.py --smoke: each GPU config's real-shapes path (its module builds the model,
     the config loads it, one steady-state RL step per child process) at tiny widths; every phase has

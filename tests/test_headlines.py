@@ -153,6 +153,7 @@ def test_curves_label_every_axis_and_keep_small_shares_off_larger_scales():
 # ----------------------------------------------------------------------------- media and notes
 
 
+@pytest.mark.robot  # its VLA part needs lerobot's stack
 def test_vla_gif_frames_show_the_instruction_in_a_band_above(tmp_path):
     import imageio.v2 as imageio
 

@@ -5,6 +5,7 @@ layers below it, counting every import, at module level or inside a function, me
 Layers, lowest first (a module belongs to the layer of its longest matching prefix in `LAYERS`):
 
     0 core      mmrl.algos, mmrl.rollout, mmrl.flow, mmrl.distributed, mmrl.logger, mmrl.hub, mmrl.tiny,
+                mmrl.tiny_vlm, mmrl.hf_compat (what differs between the transformers releases supported),
                 mmrl.checkpoint, mmrl.run_config (the typed config), mmrl.config_checks, mmrl.stages,
                 mmrl.episodes (the episode loop a VLA policy rolls out with, in its task's env factory)
     1 domains   the pure world models of a domain, which a policy or a reward may read: the planning
@@ -53,7 +54,7 @@ DOMAIN_CORES = ("mmrl.envs.planning.grid", "mmrl.envs.planning.render", "mmrl.en
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("mmrl.algos", "mmrl.rollout", "mmrl.flow", "mmrl.distributed", "mmrl.logger", "mmrl.hub",
-              "mmrl.tiny", "mmrl.checkpoint", "mmrl.run_config", "mmrl.config_checks", "mmrl.stages",
+              "mmrl.tiny", "mmrl.tiny_vlm", "mmrl.hf_compat", "mmrl.checkpoint", "mmrl.run_config", "mmrl.config_checks", "mmrl.stages",
               "mmrl.episodes")),
     ("domains", DOMAIN_CORES),
     ("policies", ("mmrl.policies",)),

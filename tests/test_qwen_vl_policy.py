@@ -115,9 +115,9 @@ def test_lean_rope_is_the_models_mrope_on_text(vl, arch):
     q = torch.randn(2, 4, pos.shape[1], fast.head_dim, generator=torch.Generator().manual_seed(0))
     cos3, sin3 = text.rotary_emb(q, pos.expand(3, *pos.shape))
     hf_module = sys.modules[type(model).__module__]
-    if arch == "qwen3_vl":  # interleaved mRoPE, merged inside the rotary module
+    if cos3.dim() == 3:  # the rotary module merged the mRoPE sections itself (Qwen3-VL; all from transformers 5.2x)
         want, _ = hf_module.apply_rotary_pos_emb(q, q, cos3, sin3)
-    else:
+    else:  # [3, B, S, D]: the attention merges them (Qwen2(.5)-VL up to transformers 5.1x)
         want, _ = hf_module.apply_multimodal_rotary_pos_emb(q, q, cos3, sin3, rope["mrope_section"])
     got = _rotate(q, *fast.rope(pos))
     assert (got - want).abs().max().item() < 1e-5

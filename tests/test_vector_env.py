@@ -178,6 +178,7 @@ def test_vector_env_rejects_unpicklable_env_fns():
         VectorEnv([lambda: ToyEnv()], num_workers=1)
 
 
+@pytest.mark.robot  # its VLA part needs lerobot's stack
 def test_vla_rollout_bench_smoke():
     """bench/vla_rollout.py --smoke runs end to end and its last line is the JSON result. One LIBERO
     env keeps CI short (the 1-vs-N worker ratio needs more envs than that to mean anything)."""

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from mmrl.hf_compat import checkpointing_on
 from mmrl.policies.base import repeat_rows
-from mmrl.policies.fast_decode import causal_body
-from mmrl.policies.qwen_vl import QwenVLPolicy, rope_owner, distinct_images, rope_positions, vision_inputs
-from mmrl.rollout import head_logprobs
+from mmrl.policies.qwen_vl import QwenVLPolicy, rope_owner, distinct_images
 from mmrl.tiny import QWEN_VL_ARCHS, build_qwen_vl_processor, build_tiny_qwen_vl, build_tokenizer
 
 torch.set_num_threads(1)
@@ -62,19 +61,13 @@ def _batch(policy: QwenVLPolicy, T: int = 5):
 
 
 def _per_row_logprobs(policy: QwenVLPolicy, model, extras, units):
-    """The reference: the HF forward on the rows' joined pixel_values (each row's images encoded)."""
-    ids = torch.cat([extras["prompt_ids"], units], 1)
-    attn = torch.cat([extras["prompt_mask"], torch.ones_like(units)], 1)
-    mm = torch.cat([extras["mm_token_type_ids"], torch.zeros_like(units)], 1)
-    vision = vision_inputs(extras["pixel_values"], extras["image_grid_thw"])
-    pos = rope_positions(model, ids, attn, mm, vision.get("image_grid_thw"))
-    T = units.shape[1]
-    hidden = causal_body(model)(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm,
-                                use_cache=False, **vision).last_hidden_state[:, -(T + 1):-1]
-    head = model.get_output_embeddings()
-    return head_logprobs(hidden, head.weight, units, bias=head.bias,
-                         suppress=torch.tensor(policy.suppress_token_ids), temperature=policy.temperature,
-                         with_entropy=True)
+    """The reference: the policy's fallback where the vision-once pieces are missing, the HF forward
+    on the rows' joined pixel_values (each row's images encoded)."""
+    policy.vision_once = False
+    try:
+        return policy._token_logprobs(model, extras, units, True)
+    finally:
+        policy.vision_once = True
 
 
 class _VisionSpy:
@@ -122,7 +115,9 @@ def _compare(policy, extras, units):
 
 @pytest.mark.parametrize("arch", QWEN_VL_ARCHS)
 def test_logprobs_and_gradients_equal_the_per_row_forward(processors, arch):
+    """Vision once equals the model's own forward (the fallback), in values and gradients."""
     policy = _policy(processors, arch)
+    assert policy.vision_once  # the installed transformers has what it calls
     policy.model.train()
     extras, units = _batch(policy)
     spy, ref = _compare(policy, extras, units)
@@ -136,7 +131,7 @@ def test_lora_and_gradient_checkpointing(processors):
     policy = _policy(processors, "qwen2_5_vl", lora=True)
     policy.enable_gradient_checkpointing()
     policy.model.train()
-    assert policy.model.get_base_model().is_gradient_checkpointing
+    assert checkpointing_on(policy.model.get_base_model())
     extras, units = _batch(policy)
     spy, _ = _compare(policy, extras, units)
     assert spy.patches < sum(p.shape[0] for p in extras["pixel_values"])

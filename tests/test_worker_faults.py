@@ -105,6 +105,7 @@ FAST = ["sft.steps=5", "train.steps=3", "train.prompts_per_step=2", "sampling.gr
 
 
 @pytest.mark.skipif(not HAS_PROC, reason="needs Linux /proc to find the worker processes")
+@pytest.mark.robot  # the tabletop's env workers
 def test_a_worker_killed_mid_rl_costs_no_run(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "mmrl.cli", "train", str(REPO / "configs" / "vla_tabletop_grpo.yaml"), *FAST,

@@ -42,16 +42,16 @@ def answer_prompt(question: str, options: Sequence[str]) -> str:
 
 
 class VLMAnswerer:
-    """A Qwen-VL checkpoint answering by one sampled reply (first valid letter), `batch_size` at a time."""
+    """A vision-language checkpoint (any Hugging Face VLM) answering by one sampled reply (first valid letter), `batch_size` at a time."""
 
     def __init__(self, path: str | Path, temperature: float = 1.0, max_new_tokens: int = 8, batch_size: int = 32,
                  device: str = "cpu", seed: int = 0):
         import torch
 
-        from mmrl.policies.qwen_vl import QwenVLPolicy
+        from mmrl.policies.vlm import VLMPolicy
 
-        self.policy = QwenVLPolicy.from_pretrained(path, device=device, max_new_tokens=max_new_tokens,
-                                                   image_key="image", prompt_key="prompt")
+        self.policy = VLMPolicy.from_pretrained(path, device=device, max_new_tokens=max_new_tokens,
+                                                image_key="image", prompt_key="prompt")
         self.temperature, self.batch_size = temperature, batch_size
         self.generator = torch.Generator(device=self.policy.device).manual_seed(seed)
 

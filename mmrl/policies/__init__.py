@@ -13,6 +13,7 @@ from collections.abc import Callable
 # name -> "module:Class", imported on first use
 POLICIES: dict[str, str] = {
     "causal_lm": "mmrl.policies.causal_lm:CausalLMPolicy",
+    "vlm": "mmrl.policies.vlm:VLMPolicy",
     "qwen_vl": "mmrl.policies.qwen_vl:QwenVLPolicy",
     "vprl_text": "mmrl.policies.vprl_text:VPRLTextPolicy",
     "visual_planner": "mmrl.policies.visual_planner.modeling:VisualPlannerPolicy",

@@ -126,7 +126,10 @@ class PolicyBase:
         and frozen inputs work), which covers a Qwen-VL's language model and vision tower alike.
         Teacher forcing then takes the HF forward: the lean decoder keeps its activations."""
         hf = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(hf, "activation_checkpointing_enable"):  # transformers 5.2x's name (the old one is deprecated)
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def enable_reference(self) -> None:
         """A frozen copy of the current weights for the KL term; under LoRA the model with its

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mmrl.hf_compat import checkpointing_on
 from mmrl.rollout import (
     SampleOutput,
     head_logprobs,
@@ -251,7 +252,7 @@ def completion_logprobs(model, fast: FastDecoder | None, prompt_ids: torch.Tenso
     start, stop, _ = (window or slice(None)).indices(units.shape[1])
     units, T = units[:, :stop], stop - start  # later units cannot change a causal model's scores
     lean = (fast is not None and fast.model is model and not (model.training and fast.dropout > 0)
-            and not getattr(model, "is_gradient_checkpointing", False))  # the HF layers recompute, the lean ones keep
+            and not checkpointing_on(model))  # the HF layers recompute, the lean ones keep
     ids = torch.cat([prompt_ids, units], 1)
     attn = torch.cat([prompt_mask, torch.ones_like(units)], 1)
     if _sharded(model):

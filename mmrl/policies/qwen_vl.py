@@ -34,53 +34,33 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.policies.base import TextPolicyBase, apply_lora, checkpoint_dir, sampling_settings
 from mmrl.policies.fast_decode import FastDecoder, causal_body
-from mmrl.policies.vllm_engine import attach_engine
+from mmrl.hf_compat import cache_kwargs, cache_of, joined
+from mmrl.policies.vlm import QWEN_VL_MODEL_TYPES, VLMConfig, VLMPolicy, is_qwen_vl, load_vlm
 from mmrl.rollout import Rollout, head_logprobs, sample_tokens
 
-IMAGE_PLACEHOLDER = "<image>"  # where a prompt places an image (EasyR1, Geometry3K, MathVerse layouts)
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 _VISION_TOKEN_CONFIG_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 @dataclass
-class QwenVLConfig:
-    """`model.params` of `qwen_vl` (and `vprl_text`): what the policy reads from contexts, the
-    processor's image-token bounds, and how `from_config` builds the model."""
+class QwenVLConfig(VLMConfig):
+    """`model.params` of `qwen_vl` (and `vprl_text`): the general adapter's (`VLMConfig`), the
+    processor's image-token bounds, and a tiny build's Qwen-VL architecture."""
 
-    image_key: str = "frame"
-    prompt_key: str = "prompt"
-    target_key: str = "target"
-    target_join: str = " "  # joins a list target into one string
-    system_prompt: str | None = None
     min_image_tokens: int | None = None  # None: the processor's own (a tiny build uses 4 and 16)
     max_image_tokens: int | None = None
-    arch: str = "qwen2_5_vl"  # a tiny build's architecture (mmrl.tiny)
-    freeze_vision: bool = False
+    arch: str = "qwen2_5_vl"  # a tiny build's architecture (mmrl.tiny.QWEN_VL_ARCHS)
 
     def __post_init__(self):
+        from mmrl.tiny import QWEN_VL_ARCHS
+
+        if self.arch not in QWEN_VL_ARCHS:
+            raise ValueError(f"model.params.arch: unknown Qwen-VL architecture {self.arch!r}; valid: {', '.join(QWEN_VL_ARCHS)}")
         for name in ("min_image_tokens", "max_image_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"model.params.{name} must be >= 1 (or null: the processor's own), got {value}")
-
-
-def _to_image(x: Any, where: str):
-    """A PIL RGB image from an HxWx3 uint8 array, a PIL image or a file path."""
-    from PIL import Image
-
-    if isinstance(x, Image.Image):
-        return x.convert("RGB")
-    if isinstance(x, (str, Path)):
-        return Image.open(x).convert("RGB")
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    if isinstance(x, np.ndarray):
-        if x.dtype != np.uint8 or x.ndim != 3 or x.shape[-1] != 3:
-            raise ValueError(f"{where}: expected a uint8 HxWx3 image, got dtype {x.dtype} shape {x.shape}")
-        return Image.fromarray(x)
-    raise TypeError(f"{where}: expected a uint8 HxWx3 array, a PIL image or a path, got {type(x).__name__}")
 
 
 def rope_owner(model: nn.Module) -> nn.Module:
@@ -173,6 +153,15 @@ def distinct_images(pixel_values: list[torch.Tensor], image_grid_thw: list[torch
     return torch.cat([regions[r][0] for r in reps]), grids[[regions[r][2] for r in reps]], index
 
 
+VISION_ONCE_NEEDS = ("get_input_embeddings", "get_image_features", "get_placeholder_mask", "language_model")
+
+
+def vision_once_applies(model: nn.Module) -> bool:
+    """Whether the model's body has what `vision_language_hidden` calls (else its own forward runs)."""
+    body = causal_body(model)
+    return all(hasattr(body, name) for name in VISION_ONCE_NEEDS)
+
+
 def vision_language_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                            position_ids: torch.Tensor, pixel_values: list[torch.Tensor],
                            image_grid_thw: list[torch.Tensor]) -> torch.Tensor:
@@ -203,8 +192,9 @@ def vision_language_hidden(model: nn.Module, input_ids: torch.Tensor, attention_
         embeds = embeds.masked_scatter(mask, feats)
         deepstack = getattr(out, "deepstack_features", None)
         if deepstack:  # Qwen3-VL: added to the image positions' hidden states of the first layers
+            # One tensor per layer (transformers 5.5), or per layer a tuple of per-image pieces (5.2x).
             extra = {"visual_pos_masks": mask[..., 0],
-                     "deepstack_visual_embeds": [d.to(embeds.device).index_select(0, take) for d in deepstack]}
+                     "deepstack_visual_embeds": [joined(d).to(embeds.device).index_select(0, take) for d in deepstack]}
     return body.language_model(input_ids=None, inputs_embeds=embeds, attention_mask=attention_mask,
                                position_ids=position_ids, use_cache=False, **extra).last_hidden_state
 
@@ -234,10 +224,10 @@ class VLStepper:
         self.next_pos = (pos.amax(dim=(0, 2)) + 1).repeat_interleave(G)
         logits = out.logits[:, -1, :].float().repeat_interleave(G, 0)
         if self.lean is not None:
-            kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+            kv = [(layer.keys, layer.values) for layer in cache_of(out).layers]
             self.lean.load_prefix(kv, attention_mask, self.next_pos)
             return logits
-        self.past = out.past_key_values
+        self.past = cache_of(out)
         if G > 1:
             self.past.batch_repeat_interleave(G)
         self.attn = attention_mask
@@ -250,56 +240,55 @@ class VLStepper:
         # away from anything trained, so they can stay attendable.
         self.attn = torch.cat([self.attn, self.attn.new_ones(self.attn.shape[0], 1)], dim=1)
         pos = self.next_pos.view(1, -1, 1).expand(3, -1, 1)
-        out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=pos,
-                         past_key_values=self.past, use_cache=True)
-        self.past, self.next_pos = out.past_key_values, self.next_pos + 1
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=pos, use_cache=True,
+                         **cache_kwargs(self.model, self.past))
+        self.past, self.next_pos = cache_of(out), self.next_pos + 1
         return out.logits[:, -1, :].float()
 
 
-class QwenVLPolicy(TextPolicyBase):
+class QwenVLPolicy(VLMPolicy):
+    """The general VLM adapter with the Qwen-VL fast paths (the module docstring)."""
+
     CONFIG = QwenVLConfig
     PROMPT_COLUMNS = ("prompt_ids", "prompt_mask", "mm_token_type_ids")
 
-    def __init__(self, model: nn.Module, processor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 max_new_tokens: int = 16, image_key: str = "frame", prompt_key: str = "prompt",
-                 target_key: str = "target", target_join: str = " ", system_prompt: str | None = None,
-                 min_image_tokens: int | None = None, max_image_tokens: int | None = None, fast_decode: bool = True):
-        super().__init__(model, processor.tokenizer, processor=processor, temperature=temperature, top_k=top_k,
-                         top_p=top_p, max_new_tokens=max_new_tokens)
-        self.image_key = image_key
-        self.prompt_key = prompt_key
-        self.target_key = target_key
-        self.target_join = target_join
-        self.system_prompt = system_prompt
-        self.image_kwargs = self._image_size_kwargs(min_image_tokens, max_image_tokens)
-        tok = self.tokenizer
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-        # The tokenizer's EOS first (it ends SFT targets); then the checkpoint's other stop ids.
-        self.eos_token_ids = list(dict.fromkeys(i for i in [tok.eos_token_id, *gen_eos] if i is not None))
-        if not self.eos_token_ids:
-            raise ValueError("the tokenizer has no eos_token and the model's generation_config no eos_token_id")
-        self.suppress_token_ids = self._suppressed_ids()
+    def __init__(self, model: nn.Module, processor, *, min_image_tokens: int | None = None,
+                 max_image_tokens: int | None = None, fast_decode: bool = True, **kwargs):
+        if not is_qwen_vl(model):
+            model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            raise ValueError(f"model.policy qwen_vl takes a Qwen-VL ({', '.join(QWEN_VL_MODEL_TYPES)}), got model type "
+                             f"{model_type!r}; model.policy: vlm takes any Hugging Face vision-language model")
+        super().__init__(model, processor, **kwargs)
+        self.image_kwargs = {**self.image_kwargs, **self._image_size_kwargs(min_image_tokens, max_image_tokens)}
         # The lean decoder for the generated text (None: the HF forward decodes, e.g. under LoRA).
         self._fast = FastDecoder.maybe(model) if fast_decode else None
+        # Vision once per distinct image where the installed transformers has the pieces it calls.
+        self.vision_once = vision_once_applies(model)
 
-    def _image_size_kwargs(self, min_tokens: int | None, max_tokens: int | None) -> dict[str, int]:
-        """Processor overrides that resize each image to between min and max LM tokens (None: the
-        processor's own setting)."""
+    def _image_size_kwargs(self, min_tokens: int | None, max_tokens: int | None) -> dict[str, dict]:
+        """The processor override (`size`, pixels per image between `shortest_edge` and `longest_edge`:
+        the form every supported transformers takes; min_pixels / max_pixels are deprecated from 5.2x)
+        that resizes each image to between min and max LM tokens (None: the processor's own setting)."""
+        if min_tokens is None and max_tokens is None:
+            return {}
         ip = self.processor.image_processor
         unit = (ip.patch_size * ip.merge_size) ** 2  # pixels per LM token
-        out = {}
-        if min_tokens is not None:
-            out["min_pixels"] = int(min_tokens) * unit
-        if max_tokens is not None:
-            out["max_pixels"] = int(max_tokens) * unit
-        if len(out) == 1:  # the image processor applies the two only together
-            size = ip.size
-            out.setdefault("min_pixels", size["shortest_edge"])
-            out.setdefault("max_pixels", size["longest_edge"])
-        if out and not 0 < out["min_pixels"] <= out["max_pixels"]:
+        low = ip.size["shortest_edge"] if min_tokens is None else int(min_tokens) * unit
+        high = ip.size["longest_edge"] if max_tokens is None else int(max_tokens) * unit
+        if not 0 < low <= high:
             raise ValueError(f"need 0 < min_image_tokens <= max_image_tokens, got {min_tokens} and {max_tokens}")
-        return out
+        return {"size": {"shortest_edge": low, "longest_edge": high}}
+
+    def _suppressed_ids(self) -> list[int]:
+        """Vision placeholders (a sampled <|image_pad|> breaks the next forward) and the padded
+        vocabulary rows past the tokenizer, which no text decodes to."""
+        cfg = self.model.config
+        vocab = self.tokenizer.get_vocab()
+        ids = {vocab[t] for t in VISION_TOKENS if t in vocab}
+        ids |= {getattr(cfg, k) for k in _VISION_TOKEN_CONFIG_KEYS if getattr(cfg, k, None) is not None}
+        n_vocab = self.model.get_output_embeddings().weight.shape[0]
+        ids |= set(range(len(self.tokenizer), n_vocab))
+        return sorted(i for i in ids if i < n_vocab)
 
     def _suppressed_ids(self) -> list[int]:
         """Vision placeholders (a sampled <|image_pad|> breaks the next forward) and the padded
@@ -315,104 +304,40 @@ class QwenVLPolicy(TextPolicyBase):
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_config(cls, cfg, task, device="cpu") -> QwenVLPolicy:
-        """`model.source: tiny` builds a tiny model (`model.params.arch`, sizes in `model.tiny`) with a
-        tokenizer trained on the task's text; `pretrained` loads `model.path`."""
-        m, params = cfg.model, dict(cfg.model.params)
-        cls.check_params(params)
+    def build_model(cls, cfg, task, arch: str, params: dict):
+        """`model.source: tiny` builds a tiny Qwen-VL (`arch`, sizes in `model.tiny`) with a tokenizer
+        trained on the task's text; `pretrained` loads `model.path`."""
+        m = cfg.model
         dtype = getattr(torch, m.dtype)
-        arch = params.pop("arch", "qwen2_5_vl")
         if m.source == "pretrained":
-            model, processor = cls.load_pretrained(m.path, dtype)
-        else:
-            from mmrl.tiny import (
-                build_qwen_vl_processor,
-                build_tiny_qwen_vl,
-                build_tokenizer,
-            )
+            return cls.load_pretrained(m.path, dtype)
+        from mmrl.policies.vlm import corpus_from_sft
+        from mmrl.tiny import build_qwen_vl_processor, build_tiny_qwen_vl, build_tokenizer
 
-            corpus = task.corpus() or _corpus_from_sft(task, params)
-            tokenizer = build_tokenizer(corpus, vocab_size=m.tokenizer_vocab_size)
-            processor = build_qwen_vl_processor(tokenizer, arch, params.get("min_image_tokens", 4),
-                                                params.get("max_image_tokens", 16))
-            model = build_tiny_qwen_vl(tokenizer, arch, seed=cfg.train.seed, **m.tiny).to(dtype)
-        if params.pop("freeze_vision", False):
-            rope_owner(model).visual.requires_grad_(False)
-        # The default LoRA targets (q_proj, ...) name only language-model layers.
-        model = apply_lora(model, m).to(device)
-        policy = cls(model, processor, **sampling_settings(cfg.sampling),
-                     fast_decode=m.fast_decode and m.lora_rank == 0, **params)
-        attach_engine(policy, cfg)
-        return policy
-
-    @staticmethod
-    def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        path = checkpoint_dir(path)
-        processor = AutoProcessor.from_pretrained(path)
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+        corpus = task.corpus() or corpus_from_sft(task, params)
+        tokenizer = build_tokenizer(corpus, vocab_size=m.tokenizer_vocab_size)
+        processor = build_qwen_vl_processor(tokenizer, arch, params.get("min_image_tokens", 4),
+                                            params.get("max_image_tokens", 16))
+        model = build_tiny_qwen_vl(tokenizer, arch, seed=cfg.train.seed, **m.tiny).to(dtype)
         return model, processor
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, **kwargs) -> QwenVLPolicy:
-        model, processor = cls.load_pretrained(path, dtype)
-        return cls(model.to(device), processor, **kwargs)
+    def extra_settings(cls, cfg) -> dict:
+        return {"fast_decode": cfg.model.fast_decode and cfg.model.lora_rank == 0}
+
+    @staticmethod
+    def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32):
+        return load_vlm(path, dtype)
 
     # ------------------------------------------------------------------ encoding
 
-    def _images(self, context: dict, i: int) -> list:
-        value = _field(context, self.image_key, i, "image_key")
-        if value is None:
-            return []
-        items = value if isinstance(value, (list, tuple)) else [value]
-        return [_to_image(x, f"context {i} {self.image_key!r}") for x in items]
-
-    def _chat_text(self, prompt: str, n_images: int, where: str = "context") -> str:
-        """One user turn: the images where the prompt's `<image>` placeholders stand (EasyR1 /
-        Geometry3K layout), or all of them before the text when it has none."""
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        pieces = prompt.split(IMAGE_PLACEHOLDER)
-        if len(pieces) == 1:
-            content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
-        elif len(pieces) - 1 == n_images:
-            content = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
-            for text in pieces[1:]:
-                content += [{"type": "image"}] + ([{"type": "text", "text": text}] if text else [])
-        else:
-            raise ValueError(f"{where}: the prompt has {len(pieces) - 1} {IMAGE_PLACEHOLDER} placeholder(s) for "
-                             f"{n_images} image(s); give one per image, or none (images go first)")
-        messages.append({"role": "user", "content": content})
-        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def _texts_and_images(self, contexts: list[dict]) -> tuple[list[str], list[list]]:
-        """Each context's chat text and its images."""
-        texts, images = [], []
-        for i, c in enumerate(contexts):
-            imgs = self._images(c, i)
-            texts.append(self._chat_text(str(_field(c, self.prompt_key, i, "prompt_key")), len(imgs), f"context {i}"))
-            images.append(imgs)
-        return texts, images
-
-    def engine_prompts(self, contexts: list[dict]) -> list[dict]:
-        """Chat text (one placeholder per image; the engine expands it) with the images, resized by
-        the same min / max pixel settings as `encode`, so engine and trainer see the same tokens."""
-        prompts = []
-        for text, imgs in zip(*self._texts_and_images(contexts)):
-            prompt = {"prompt": text}
-            if imgs:
-                prompt["multi_modal_data"] = {"image": imgs}
-                prompt["mm_processor_kwargs"] = dict(self.image_kwargs)
-            prompts.append(prompt)
-        return prompts
-
     def encode(self, contexts: list[dict]) -> dict[str, Any]:
         """Left-padded prompt tensors [n, P] and per-context vision lists for `contexts`."""
-        texts, per_context = self._texts_and_images(contexts)
-        images = [img for imgs in per_context for img in imgs]
-        counts = [len(imgs) for imgs in per_context]
-        enc = self.processor(text=texts, images=images or None, padding=True, padding_side="left",
-                             return_tensors="pt", **(self.image_kwargs if images else {}))
+        prompts = self.prompts(contexts)
+        images = [img for p in prompts for img in p.images]
+        counts = [len(p.images) for p in prompts]
+        enc = self.processor(text=[p.text for p in prompts], images=images or None, padding=True,
+                             padding_side="left", return_tensors="pt", **(self.image_kwargs if images else {}))
         dev = self.device
         grids = enc["image_grid_thw"] if images else torch.zeros(0, 3, dtype=torch.long)
         pixels = enc["pixel_values"] if images else torch.zeros(0)
@@ -450,9 +375,14 @@ class QwenVLPolicy(TextPolicyBase):
         pixels, grids = extras["pixel_values"], extras["image_grid_thw"]
         pos = rope_positions(model, ids, attn, mm, _joined_grids(grids))
         # The final hidden states of the T positions that predict a unit of the window (the vision
-        # tower runs once per distinct image, not once per row), through the output head a chunk of
-        # tokens at a time: no [N, T, V] logits.
-        hidden = vision_language_hidden(model, ids, attn, pos, pixels, grids)[:, -(T + 1):-1]
+        # tower runs once per distinct image, not once per row; else the model's own forward on the
+        # rows' joined images), through the output head a chunk of tokens at a time: no [N, T, V] logits.
+        if self.vision_once:
+            hidden = vision_language_hidden(model, ids, attn, pos, pixels, grids)
+        else:
+            hidden = causal_body(model)(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm,
+                                        use_cache=False, **vision_inputs(pixels, grids)).last_hidden_state
+        hidden = hidden[:, -(T + 1):-1]
         head = model.get_output_embeddings()
         suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=hidden.device)
         return head_logprobs(hidden, head.weight, units[:, start:], bias=head.bias, suppress=suppress,
@@ -483,25 +413,3 @@ class QwenVLPolicy(TextPolicyBase):
         black = self.black_patch().to(self.device)
         pixels = [mask_patches(p, black, prob, generator) if p.numel() else p for p in rollout.extras["pixel_values"]]
         return replace(rollout, extras={**rollout.extras, "pixel_values": pixels})
-
-    def target_text(self, context: dict, i: int = 0) -> str:
-        t = _field(context, self.target_key, i, "target_key")
-        return self.target_join.join(map(str, t)) if isinstance(t, (list, tuple)) else str(t)
-
-
-def _field(context: dict, key: str, i: int, param: str) -> Any:
-    if key not in context:
-        raise KeyError(f"context {i} has no {key!r} (model.params.{param}); its keys: {', '.join(sorted(context))}")
-    return context[key]
-
-
-def _corpus_from_sft(task, params: dict) -> list[str]:
-    """Prompts and targets of a few SFT contexts: a tokenizer corpus for tasks without `corpus()`."""
-    contexts = task.sft_batch(256, np.random.default_rng(0))
-    prompt_key, target_key = params.get("prompt_key", "prompt"), params.get("target_key", "target")
-    join = params.get("target_join", " ")
-
-    def text(v) -> str:
-        return join.join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
-
-    return [text(c.get(prompt_key, "")) + " " + text(c.get(target_key, "")) for c in contexts]
