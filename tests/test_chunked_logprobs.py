@@ -99,7 +99,7 @@ def test_causal_lm_logprobs_equal_one_pass_logits(tiny_lm, lean):
     policy.logprob_chunk = 7
     contexts = [{"prompt": "12+3="}, {"prompt": "7+45="}]
     rollout = policy.sample(contexts, 3, generator=torch.Generator().manual_seed(3))
-    assert (policy._fast is not None) == lean and len(policy._suppress)
+    assert (policy._fast is not None) == lean and len(policy.suppress_token_ids)
 
     def reference():
         e = rollout.extras
@@ -108,7 +108,7 @@ def test_causal_lm_logprobs_equal_one_pass_logits(tiny_lm, lean):
         T = rollout.units.shape[1]
         logits = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
                        logits_to_keep=T + 1).logits[:, :-1].float() / 0.8
-        return token_logprobs(logits, rollout.units, policy._suppress, True)
+        return token_logprobs(logits, rollout.units, torch.tensor(policy.suppress_token_ids), True)
 
     _compare(lambda: policy.logprobs(rollout, with_entropy=True), reference, model, rollout.mask)
     with torch.no_grad():

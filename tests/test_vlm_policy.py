@@ -96,8 +96,9 @@ def test_a_grpo_step_with_papo_after_sft_from_the_config(tmp_path, family):
     assert "final" in results or results  # the run's results were written
 
 
-def test_benchmark_eval_of_a_saved_folder(tmp_path, capsys):
-    policy = _policy("gemma3" if not family_unavailable("gemma3") else "smolvlm")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_benchmark_eval_of_a_saved_folder(tmp_path, capsys, family):
+    policy = _policy(family)
     policy.save(tmp_path / "model")
     out = tmp_path / "eval"
     assert main(["eval", "--benchmark", "synthetic", "--model", str(tmp_path / "model"), "--limit", "4",

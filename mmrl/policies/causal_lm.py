@@ -38,7 +38,6 @@ class CausalLMPolicy(TextPolicyBase):
         special = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
         vocab = tokenizer.get_vocab()
         self.suppress_token_ids = [vocab[t] for t in special if t in vocab]
-        self._suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long)
         self._fast = None
         if fast_decode:
             self._fast = FastDecoder.maybe(model)
@@ -106,5 +105,7 @@ class CausalLMPolicy(TextPolicyBase):
                         temperature: float | None = None, window: slice | None = None):
         return completion_logprobs(model, self._fast, prompts["prompt_ids"], prompts["prompt_mask"], units,
                                    temperature=self.temperature if temperature is None else temperature,
-                                   suppress=self._suppress, with_entropy=with_entropy, window=window,
+                                   # read at each call: sampling and scoring suppress the same ids
+                                   suppress=torch.tensor(self.suppress_token_ids, dtype=torch.long),
+                                   with_entropy=with_entropy, window=window,
                                    chunk=self.logprob_chunk)

