@@ -152,6 +152,19 @@ def test_memory_bench_smoke():
     assert all(r["step_mib"] >= 0 and r["tokens"] > 0 for r in result["runs"])
 
 
+def test_vlm_memory_bench_smoke(tmp_path):
+    """bench/vlm_memory.py: the general VLM path's teacher-forced pass and a full-logits pass, each in
+    its own process, on a small Gemma 3; the JSON line carries both peaks."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vlm_memory.py"), "--smoke", "--out",
+                           str(tmp_path / "m.json")], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["model"]["family"] == "gemma3" and result["mmrl"]["params"] == result["logits"]["params"]
+    assert result["mmrl"]["peak_mib"] > 0 and result["logits"]["peak_mib"] > 0
+    assert json.loads((tmp_path / "m.json").read_text())["ratio"] == result["ratio"]
+
+
 @pytest.mark.robot  # its VLA part needs lerobot's stack
 def test_real_shapes_bench_smoke():
     """bench/real_shapes.py --smoke: each GPU config's real-shapes path (its module builds the model,
