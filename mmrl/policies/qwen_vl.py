@@ -37,7 +37,7 @@ from torch import nn
 from mmrl.policies.fast_decode import FastDecoder, causal_body
 from mmrl.hf_compat import cache_kwargs, cache_of, joined
 from mmrl.policies.vlm import QWEN_VL_MODEL_TYPES, VLMConfig, VLMPolicy, is_qwen_vl, load_vlm
-from mmrl.rollout import Rollout, head_logprobs, sample_tokens
+from mmrl.rollout import Rollout, sample_tokens
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 _VISION_TOKEN_CONFIG_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -290,17 +290,6 @@ class QwenVLPolicy(VLMPolicy):
         ids |= set(range(len(self.tokenizer), n_vocab))
         return sorted(i for i in ids if i < n_vocab)
 
-    def _suppressed_ids(self) -> list[int]:
-        """Vision placeholders (a sampled <|image_pad|> breaks the next forward) and the padded
-        vocabulary rows past the tokenizer, which no text decodes to."""
-        cfg = self.model.config
-        vocab = self.tokenizer.get_vocab()
-        ids = {vocab[t] for t in VISION_TOKENS if t in vocab}
-        ids |= {getattr(cfg, k) for k in _VISION_TOKEN_CONFIG_KEYS if getattr(cfg, k, None) is not None}
-        n_vocab = self.model.get_output_embeddings().weight.shape[0]
-        ids |= set(range(len(self.tokenizer), n_vocab))
-        return sorted(i for i in ids if i < n_vocab)
-
     # ------------------------------------------------------------------ construction
 
     @classmethod
@@ -382,12 +371,7 @@ class QwenVLPolicy(VLMPolicy):
         else:
             hidden = causal_body(model)(input_ids=ids, attention_mask=attn, position_ids=pos, mm_token_type_ids=mm,
                                         use_cache=False, **vision_inputs(pixels, grids)).last_hidden_state
-        hidden = hidden[:, -(T + 1):-1]
-        head = model.get_output_embeddings()
-        suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=hidden.device)
-        return head_logprobs(hidden, head.weight, units[:, start:], bias=head.bias, suppress=suppress,
-                             temperature=self.temperature if temperature is None else temperature,
-                             with_entropy=with_entropy, chunk=self.logprob_chunk)
+        return self.head_scores(model, hidden[:, -(T + 1):-1], units[:, start:], with_entropy, temperature)
 
     def black_patch(self) -> torch.Tensor:
         """One flattened vision patch of a black image, as the processor normalises it: rows of

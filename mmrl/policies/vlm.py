@@ -250,6 +250,7 @@ class VLMPolicy(TextPolicyBase):
         super().__init__(model, processor.tokenizer, processor=processor, temperature=temperature, top_k=top_k,
                          top_p=top_p, max_new_tokens=max_new_tokens)
         check_chat_template(processor, type(hf_model(model).config).__name__)
+        multimodal_body(model)  # a model this adapter cannot score is refused here, in one line
         self.image_key = image_key
         self.prompt_key = prompt_key
         self.target_key = target_key
@@ -437,9 +438,16 @@ class VLMPolicy(TextPolicyBase):
         # output head a chunk of tokens at a time: no [N, T, V] logits.
         hidden = multimodal_body(model)(input_ids=ids, attention_mask=attn, use_cache=False,
                                         **inputs).last_hidden_state[:, -(T + 1):-1]
+        return self.head_scores(model, hidden, units[:, start:], with_entropy, temperature)
+
+    def head_scores(self, model: nn.Module, hidden: torch.Tensor, units: torch.Tensor, with_entropy: bool,
+                    temperature: float | None = None):
+        """Log-probs (and entropy) of `units` [N, T] from the final hidden states [N, T, H] that predict
+        them, through the output head a chunk of tokens at a time (`head_logprobs`), the suppressed
+        ids masked as in sampling."""
         head = model.get_output_embeddings()
         suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=hidden.device)
-        return head_logprobs(hidden, head.weight, units[:, start:], bias=head.bias, suppress=suppress,
+        return head_logprobs(hidden, head.weight, units, bias=head.bias, suppress=suppress,
                              temperature=self.temperature if temperature is None else temperature,
                              with_entropy=with_entropy, chunk=self.logprob_chunk)
 
