@@ -308,4 +308,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main() or 0
+    from mmrl import distributed
+
+    if distributed.launched():  # a rank under torchrun (`--nproc`)
+        distributed.exit_rank(code)
+    sys.exit(code)
