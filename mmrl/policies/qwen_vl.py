@@ -1,5 +1,9 @@
 """Policy adapter for Qwen-VL models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): image(s) + text in, text out.
 
+The general VLM adapter (`mmrl.policies.vlm`, `model.policy: vlm`, which picks this one for a
+Qwen-VL) with fast paths into the model's internals, each checked to exist and tested equal to the
+model's own forward on every stack CI runs (docs/stacks.md).
+
 Contexts are dicts with a text prompt (`prompt_key`, default "prompt") and an image or a list of
 images (`image_key`, default "frame": uint8 HxWx3 arrays, PIL images or file paths; None for a
 text-only context). Each is rendered as one user turn of the processor's chat template.
@@ -34,8 +38,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmrl.policies.fast_decode import FastDecoder, causal_body
 from mmrl.hf_compat import cache_kwargs, cache_of, joined
+from mmrl.policies.fast_decode import FastDecoder, causal_body
 from mmrl.policies.vlm import QWEN_VL_MODEL_TYPES, VLMConfig, VLMPolicy, is_qwen_vl, load_vlm
 from mmrl.rollout import Rollout, sample_tokens
 
