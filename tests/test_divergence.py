@@ -238,6 +238,7 @@ def test_an_action_token_vla_with_nan_weights_stops_sampling(tiny_vl):
     assert_sampling_stops(policy, DOT)
 
 
+@pytest.mark.robot  # lerobot's SmolVLA / Diffusion Policy
 def test_flow_vlas_with_nan_weights_stop_before_their_actions_reach_the_env(tmp_path):
     """SmolVLA's Gaussian SDE steps and the diffusion policy's denoising chain: NaN actions are refused
     in the episode loop every VLA rolls out with, before any env steps them."""

@@ -138,6 +138,7 @@ def test_gaussian_kl_is_refused_in_one_line_where_units_are_not_gaussian_steps(t
     assert "accepted with: diffusion, smolvla, video_gen" in err and "else k1, k2, k3 or abs" in err
 
 
+@pytest.mark.robot  # lerobot's SmolVLA / Diffusion Policy
 def test_smolvla_kl_is_the_formula_on_its_chunk_means(tmp_path):
     """The lerobot chunk policies (SmolVLA here, the Diffusion Policy the same code) score the KL of
     every denoising step of every executed chunk from the same pass as the log-probs."""

@@ -97,6 +97,7 @@ def test_smolvla_flag_and_class_switch():
     assert policy_class("smolvla").GRADIENT_CHECKPOINTING is True
 
 
+@pytest.mark.robot  # lerobot's SmolVLA / Diffusion Policy
 def test_smolvla_sampling_is_unchanged_and_not_checkpointed(smolvla, monkeypatch):
     plain, ckpt = smolvla
     calls = []
@@ -112,6 +113,7 @@ def test_smolvla_sampling_is_unchanged_and_not_checkpointed(smolvla, monkeypatch
     assert not calls
 
 
+@pytest.mark.robot  # lerobot's SmolVLA / Diffusion Policy
 @pytest.mark.parametrize("batched", [True, False])
 def test_smolvla_logprobs_and_gradients_match_with_checkpointing(smolvla, batched):
     plain, ckpt = smolvla
@@ -134,6 +136,7 @@ def test_smolvla_logprobs_and_gradients_match_with_checkpointing(smolvla, batche
     assert nonzero > 10 and vlm  # the expert's and the VLM's layers both get gradients
 
 
+@pytest.mark.robot  # lerobot's SmolVLA / Diffusion Policy
 def test_smolvla_sft_loss_matches_with_checkpointing(smolvla):
     plain, ckpt = smolvla
     rng = np.random.default_rng(0)
@@ -152,6 +155,7 @@ def test_smolvla_sft_loss_matches_with_checkpointing(smolvla):
     assert assert_same_grads(ckpt.model, plain.model) > 10
 
 
+@pytest.mark.robot  # lerobot's SmolVLA / Diffusion Policy
 def test_smolvla_reference_copy_keeps_working(smolvla):
     _, ckpt = smolvla
     ref = copy.deepcopy(ckpt.model).eval().requires_grad_(False)  # what enable_reference does
