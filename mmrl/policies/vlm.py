@@ -401,7 +401,7 @@ class VLMPolicy(TextPolicyBase):
         enc = self.processor_inputs(prompts)
         ids = enc.pop("input_ids")
         enc.pop("attention_mask")
-        P, pad = prompt_ids.shape[1], prompt_ids.shape[1] - ids.shape[1]
+        pad = prompt_ids.shape[1] - ids.shape[1]
         if pad < 0 or not torch.equal(ids, prompt_ids[:, pad:]):
             raise RuntimeError(f"{type(self.processor).__name__} tokenised the prompts differently from when they were "
                                "sampled (the rollout's prompt_ids); the processor must be deterministic")
@@ -409,7 +409,6 @@ class VLMPolicy(TextPolicyBase):
         for k, v in enc.items():
             if isinstance(v, torch.Tensor) and v.shape == ids.shape:  # a token column
                 enc[k] = torch.nn.functional.pad(v, (pad, T))
-                assert enc[k].shape[1] == P + T
         return enc
 
     # ------------------------------------------------------------------ sampling
